@@ -1,0 +1,128 @@
+// Communicator: collective and point-to-point communication among a fixed set of ranks.
+//
+// Contract shared by every backend:
+//  * Every call is asynchronous and returns a Work (see work.h).
+//  * Calls execute in the order they were issued; every rank must issue the same
+//    collectives, with the same sizes and dtypes, in the same order. Each call gets the
+//    next sequence number; errors name it so a divergence can be located.
+//  * Tensors must be dense and contiguous, on the backend's device (CPU for Gloo, CUDA
+//    for NCCL). Violations throw dtrain::InvalidArgument synchronously.
+//  * Every call is bounded by a timeout (CommunicatorOptions::timeout unless the call's
+//    options override it). A timeout or a transport failure throws from Work::wait() and
+//    breaks the communicator: every later call fails with the first error as cause.
+//  * No Gloo, NCCL or CUDA type appears here; backends are chosen by make_communicator.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/store.h"
+#include "dtrain/work.h"
+
+namespace dtrain {
+
+enum class ReduceOp { kSum, kAvg, kMin, kMax };
+
+enum class Backend { kGloo, kNccl };
+
+const char* to_string(ReduceOp op);
+const char* to_string(Backend backend);
+
+// Per-call options.
+struct CallOptions {
+  // Bound on this call; a non-positive value means the communicator's default.
+  std::chrono::milliseconds timeout{-1};
+};
+
+struct CommunicatorOptions {
+  Backend backend = Backend::kGloo;
+  // Bound on connecting and on each call.
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  // Gloo: address this rank listens on. Empty: 127.0.0.1 when every rank runs on this host
+  // (the store's host is a loopback address), else this host's name.
+  std::string hostname;
+  // Gloo: network interface to bind (overrides hostname), e.g. "eth0".
+  std::string interface;
+  // Gloo: largest message piece an all-reduce moves at once; larger pipelines better on
+  // fast links, smaller hides latency on slow ones.
+  size_t gloo_max_segment_bytes = 4u << 20;
+  // NCCL: the CUDA device this rank uses (LOCAL_RANK by convention). -1: current device.
+  int device_index = -1;
+  // Key prefix in the store; two communicators on one store need different names.
+  std::string name = "default";
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual Backend backend() const = 0;
+
+  // Replaces `tensor` on every rank by the element-wise reduction over ranks.
+  // kAvg requires a floating dtype.
+  virtual WorkPtr all_reduce(at::Tensor tensor, ReduceOp op = ReduceOp::kSum,
+                             const CallOptions& options = {}) = 0;
+
+  // Copies `tensor` of rank `root` into `tensor` of every other rank.
+  virtual WorkPtr broadcast(at::Tensor tensor, int root, const CallOptions& options = {}) = 0;
+
+  // output (flat, numel == world_size * input.numel()) receives every rank's input in rank
+  // order: rank r's input lands at [r * n, (r + 1) * n).
+  virtual WorkPtr all_gather(at::Tensor output, at::Tensor input,
+                             const CallOptions& options = {}) = 0;
+
+  // input (flat, numel == world_size * output.numel()) is reduced over ranks; rank r
+  // receives the slice [r * n, (r + 1) * n) of the result in `output`. `input` is not
+  // modified. Sizes not divisible by the world size: pad with padded_size() (below).
+  virtual WorkPtr reduce_scatter(at::Tensor output, at::Tensor input, ReduceOp op = ReduceOp::kSum,
+                                 const CallOptions& options = {}) = 0;
+
+  // Completes once every rank has called it.
+  virtual WorkPtr barrier(const CallOptions& options = {}) = 0;
+
+  // Point to point. A send matches the recv of the peer with the same tag; messages
+  // between a pair with the same tag arrive in order.
+  virtual WorkPtr send(at::Tensor tensor, int dst, uint32_t tag = 0,
+                       const CallOptions& options = {}) = 0;
+  virtual WorkPtr recv(at::Tensor tensor, int src, uint32_t tag = 0,
+                       const CallOptions& options = {}) = 0;
+
+  // Number of calls issued so far (the next call gets this sequence number).
+  virtual uint64_t sequence_number() const = 0;
+
+  // Blocking conveniences: issue and wait.
+  void all_reduce_sync(at::Tensor t, ReduceOp op = ReduceOp::kSum) { all_reduce(t, op)->wait(); }
+  void broadcast_sync(at::Tensor t, int root) { broadcast(t, root)->wait(); }
+  void all_gather_sync(at::Tensor out, at::Tensor in) { all_gather(out, in)->wait(); }
+  void reduce_scatter_sync(at::Tensor out, at::Tensor in, ReduceOp op = ReduceOp::kSum) {
+    reduce_scatter(out, in, op)->wait();
+  }
+  void barrier_sync() { barrier()->wait(); }
+};
+
+using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+// Connects `world_size` ranks through `store`; every rank calls this with the same
+// options.name. Blocks until all ranks joined; throws dtrain::TimeoutError if some rank
+// did not join within options.timeout, dtrain::InvalidArgument for a backend that was
+// not compiled in (see is_backend_available).
+CommunicatorPtr make_communicator(std::shared_ptr<Store> store, int rank, int world_size,
+                                  const CommunicatorOptions& options = {});
+
+// Whether make_communicator can build this backend in this build.
+bool is_backend_available(Backend backend);
+
+// Smallest multiple of world_size that is >= numel: the flat length to allocate before
+// all_gather / reduce_scatter of a length that does not divide evenly.
+inline int64_t padded_size(int64_t numel, int world_size) {
+  return (numel + world_size - 1) / world_size * world_size;
+}
+
+}  // namespace dtrain

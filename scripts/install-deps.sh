@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs dtrain's system dependencies from Debian packages. Idempotent: when
+# everything is present it returns in well under a second without touching apt.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build pkg-config
+  libtorch-dev libgloo-dev libabsl-dev libfmt-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  # OpenMP variant on purpose: it sizes its thread pool from the same OpenMP
+  # runtime LibTorch uses, so at::set_num_threads() bounds BLAS too and several
+  # ranks on one machine do not oversubscribe the cores (the pthread variant
+  # starts one BLAS thread per core in every process).
+  libopenblas0-openmp
+  gnuplot-nox
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

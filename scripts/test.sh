@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The newcomer's test command: installs dependencies, builds everything, runs every test.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/install-deps.sh"
+"$root/scripts/build.sh" "$@"
+cd "${DTRAIN_BUILD_DIR:-$root/build}"
+# Two test processes at a time on a 2-core machine; ranks inside a test are single-threaded.
+ctest --output-on-failure -j 2 --timeout 600

@@ -1,0 +1,73 @@
+// One rank of a multi-process test, started by the tests with posix_spawn.
+//   dtrain_test_worker <scenario> <timeout_ms>
+// Scenarios: "collectives" (check a few collectives and exit), "loop" (all-reduce until
+// something fails). Exit codes: 0 ok, 3 dtrain::CommError, 4 dtrain::TimeoutError, 1 other.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include "dtrain/errors.h"
+#include "dtrain/rendezvous.h"
+
+namespace {
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("check failed: " + what);
+}
+
+void collectives(dtrain::Communicator& c) {
+  const int w = c.world_size();
+  const int r = c.rank();
+  at::Tensor t = at::full({1000}, static_cast<float>(r + 1));
+  c.all_reduce(t)->wait();
+  require(t.eq(w * (w + 1) / 2.0f).all().item<bool>(), "all_reduce");
+  at::Tensor out = at::empty({w * 10}, at::kFloat);
+  c.all_gather(out, at::full({10}, static_cast<float>(r)))->wait();
+  for (int k = 0; k < w; ++k) require(out[k * 10].item<float>() == k, "all_gather");
+  at::Tensor rs = at::empty({10}, at::kFloat);
+  c.reduce_scatter(rs, at::arange(w * 10, at::kFloat))->wait();
+  require(rs[0].item<float>() == static_cast<float>(w * r * 10), "reduce_scatter");
+  at::Tensor b = at::full({5}, static_cast<float>(r));
+  c.broadcast(b, w - 1)->wait();
+  require(b[0].item<float>() == w - 1, "broadcast");
+  c.barrier()->wait();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::cerr << "usage: dtrain_test_worker collectives|loop TIMEOUT_MS\n";
+    return 2;
+  }
+  const std::string scenario = argv[1];
+  dtrain::CommunicatorOptions o;
+  o.timeout = std::chrono::milliseconds(std::stoi(argv[2]));
+  try {
+    auto info = dtrain::LaunchInfo::from_env();
+    auto comm = dtrain::init_communicator(info, o);
+    if (scenario == "collectives") {
+      collectives(*comm);
+    } else if (scenario == "loop") {
+      at::Tensor t = at::ones({4096});
+      for (long i = 0;; ++i) {
+        comm->all_reduce(t)->wait();
+        if (i == 10) std::printf("looping\n"), std::fflush(stdout);
+      }
+    }
+    std::printf("rank %d ok\n", info.rank);
+    return 0;
+  } catch (const dtrain::TimeoutError& e) {
+    std::printf("TimeoutError: %s\n", e.what());
+    return 4;
+  } catch (const dtrain::CommError& e) {
+    std::printf("CommError: %s\n", e.what());
+    return 3;
+  } catch (const std::exception& e) {
+    std::printf("error: %s\n", e.what());
+    return 1;
+  }
+}
