@@ -88,13 +88,15 @@ class Communicator {
   virtual WorkPtr barrier(const CallOptions& options = {}) = 0;
 
   // Point to point. A send matches the recv of the peer with the same tag; messages
-  // between a pair with the same tag arrive in order.
+  // between a pair with the same tag arrive in order. Ranks may issue different numbers
+  // of these, so they are numbered apart from collectives (their Work's sequence number
+  // counts point-to-point calls only) and never shift collectives' numbering.
   virtual WorkPtr send(at::Tensor tensor, int dst, uint32_t tag = 0,
                        const CallOptions& options = {}) = 0;
   virtual WorkPtr recv(at::Tensor tensor, int src, uint32_t tag = 0,
                        const CallOptions& options = {}) = 0;
 
-  // Number of calls issued so far (the next call gets this sequence number).
+  // Number of collectives issued so far (the next one gets this sequence number).
   virtual uint64_t sequence_number() const = 0;
 
   // Blocking conveniences: issue and wait.

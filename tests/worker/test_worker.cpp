@@ -1,7 +1,9 @@
 // One rank of a multi-process test, started by the tests with posix_spawn.
-//   dtrain_test_worker <scenario> <timeout_ms>
+//   dtrain_test_worker <scenario> <timeout_ms> [out_path]
 // Scenarios: "collectives" (check a few collectives and exit), "loop" (all-reduce until
-// something fails). Exit codes: 0 ok, 3 dtrain::CommError, 4 dtrain::TimeoutError, 1 other.
+// something fails), "ddp" (train the test MLP with DataParallel on this rank's slice of
+// the global batch and write the final parameters, raw fp32, to out_path). Exit codes: 0 ok, 3
+// dtrain::CommError, 4 dtrain::TimeoutError, 1 other.
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -11,6 +13,7 @@
 
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
+#include "strategy/training.h"
 
 namespace {
 
@@ -39,8 +42,8 @@ void collectives(dtrain::Communicator& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::cerr << "usage: dtrain_test_worker collectives|loop TIMEOUT_MS\n";
+  if (argc != 3 && argc != 4) {
+    std::cerr << "usage: dtrain_test_worker collectives|loop|ddp TIMEOUT_MS [OUT_PATH]\n";
     return 2;
   }
   const std::string scenario = argv[1];
@@ -51,6 +54,21 @@ int main(int argc, char** argv) {
     auto comm = dtrain::init_communicator(info, o);
     if (scenario == "collectives") {
       collectives(*comm);
+    } else if (scenario == "ddp" && argc == 4) {
+      using namespace dtrain::testing;
+      at::set_num_threads(1);
+      const Case c;  // MLP, SGD with momentum, default buckets
+      const auto data = make_data(c.model, info.world_size);
+      auto module = make_model(c.model, info.rank == 0 ? 7 : 100 + info.rank);
+      dtrain::DataParallel ddp(module, comm);
+      train(c, ddp, *module, data, info.rank * kLocalBatch, kLocalBatch, &ddp);
+      std::FILE* f = std::fopen(argv[3], "wb");
+      if (f == nullptr) throw std::runtime_error(std::string("cannot write ") + argv[3]);
+      for (const auto& p : module->parameters()) {
+        at::Tensor t = p.detach().contiguous();
+        std::fwrite(t.data_ptr<float>(), sizeof(float), static_cast<size_t>(t.numel()), f);
+      }
+      std::fclose(f);
     } else if (scenario == "loop") {
       at::Tensor t = at::ones({4096});
       for (long i = 0;; ++i) {

@@ -368,7 +368,7 @@ WorkPtr GlooCommunicator::enqueue_p2p(const char* op, at::Tensor tensor, int pee
                                       const CallOptions& options, bool is_send) {
   check_tensor(tensor, op, "tensor");
   check_peer(peer, op);
-  const uint64_t seq = seq_.fetch_add(1);
+  const uint64_t seq = p2p_seq_.fetch_add(1);
   const ErrorContext ctx = context(op, static_cast<int64_t>(seq));
   const auto timeout = call_timeout(options);
   auto work = std::make_shared<detail::CpuWork>(seq, op, ctx, 2 * timeout + std::chrono::seconds(1),

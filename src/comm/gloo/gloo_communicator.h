@@ -64,6 +64,9 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<Store> store_;
   std::shared_ptr<gloo::Context> context_;
   std::atomic<uint64_t> seq_{0};
+  // Point-to-point calls are numbered apart: ranks issue different numbers of them, and
+  // collectives use their sequence number as Gloo's tag, which must match across ranks.
+  std::atomic<uint64_t> p2p_seq_{0};
 
   std::mutex broken_mu_;
   std::exception_ptr broken_;  // first failure; sticky

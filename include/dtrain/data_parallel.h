@@ -1,0 +1,96 @@
+// DataParallel: distributed data parallelism (DDP) for any torch::nn::Module.
+//
+// Every rank holds the whole model and computes gradients on its part of the global
+// batch; gradients are averaged over ranks in buckets while backward still runs, so the
+// communication hides behind the remaining backward computation.
+//
+// Construction broadcasts parameters and buffers from rank 0 after checking that every
+// rank has the same parameter names, shapes and dtypes (a mismatch throws
+// InvalidArgument on every rank, naming the first difference).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm_hook.h"
+#include "dtrain/communicator.h"
+#include "dtrain/strategy.h"
+
+namespace dtrain {
+
+struct DataParallelOptions {
+  // Largest bucket, in MiB. Bigger buckets mean fewer, more efficient collectives but a
+  // later first launch (less overlap).
+  double bucket_cap_mb = 25.0;
+  // The first bucket (the last layers' gradients, ready first) is kept small so that
+  // communication starts early in backward.
+  double first_bucket_cap_mb = 1.0;
+  // After the first iteration, rebuild buckets in the order gradients actually became
+  // ready (rank 0's order, broadcast so that it is identical everywhere).
+  bool rebuild_buckets = true;
+  // Parameters that got no gradient in a step are always handled (their bucket is flushed
+  // at the end of backward, with zeros). With this flag, a parameter that got no gradient
+  // on ANY rank additionally has its .grad reset to undefined, as single-device training
+  // would leave it, so optimizers skip it; costs one small all-reduce per step.
+  bool find_unused_parameters = false;
+  // Re-broadcast buffers (e.g. BatchNorm running stats) from rank 0 before each forward.
+  bool broadcast_buffers = true;
+  // How buckets are reduced; null means allreduce_hook().
+  std::shared_ptr<CommHook> comm_hook;
+};
+
+class DataParallel final : public Strategy {
+ public:
+  DataParallel(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
+               DataParallelOptions options = {});
+  ~DataParallel() override;
+
+  void backward(const at::Tensor& loss) override;
+  std::vector<at::Tensor> parameters() override;
+  double grad_norm() override;
+  int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
+  const StepStats& last_step_stats() const override;
+  std::string name() const override { return "ddp"; }
+  int rank() const override;
+  int world_size() const override;
+
+  // While the returned guard lives, backward() accumulates gradients locally without
+  // communicating (gradient accumulation over micro-batches); the first backward after it
+  // is destroyed reduces the accumulated sum.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DataParallel& ddp);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DataParallel& ddp_;
+    bool previous_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  // Bucket layout: parameter indices (in module->parameters() order) of each bucket, in
+  // launch order; and the launch order observed in the last synced backward.
+  std::vector<std::vector<size_t>> bucket_assignment() const;
+  std::vector<int> last_launch_order() const;
+
+ protected:
+  void begin_forward() override;
+
+ private:
+  class Reducer;
+  std::unique_ptr<Reducer> reducer_;
+};
+
+// Groups parameters into buckets for DataParallel: walks `order` (indices into sizes),
+// starting a new bucket when adding the next parameter would exceed the cap (the first
+// bucket's cap is first_cap_bytes) or when the dtype changes. A parameter larger than
+// the cap gets a bucket of its own. Exposed for tests and tools.
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<size_t>& order,
+                                                const std::vector<int64_t>& bytes,
+                                                const std::vector<int>& dtype_ids,
+                                                int64_t first_cap_bytes, int64_t cap_bytes);
+
+}  // namespace dtrain

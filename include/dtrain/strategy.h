@@ -1,0 +1,87 @@
+// Strategy: one training loop for every way of spreading a model over ranks.
+//
+//   auto strategy = std::make_shared<dtrain::DataParallel>(model, comm);   // or SingleDevice,
+//   torch::optim::AdamW opt(strategy->parameters(), options);              //
+//   FullyShardedDataParallel for (auto& batch : loader) {
+//     opt.zero_grad();
+//     at::Tensor loss = strategy->forward([&] { return loss_fn(model->forward(batch.x), batch.y);
+//     }); strategy->backward(loss);            // gradients are reduced when this returns
+//     strategy->clip_grad_norm(1.0);       // global norm, whatever the sharding
+//     opt.step();                          // steps what parameters() returned
+//   }
+//
+// The wrapped module's code is never changed. forward() takes the module call as a
+// function so that any forward signature works and strategies can prepare parameters
+// before it (FSDP gathers them) and hook its output (FSDP's pre-backward gather).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/communicator.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace dtrain {
+
+// What the last step cost in communication. Fields that do not apply are 0.
+struct StepStats {
+  int64_t bytes_communicated = 0;  // payload bytes this rank sent into collectives
+  double comm_wait_s = 0;          // time the caller waited on communication after backward
+  double comm_total_s = 0;         // summed duration of the step's collectives
+  int64_t num_collectives = 0;     // collectives issued by the step (DDP: buckets)
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+
+  // Runs `fn` (the module's forward and, usually, the loss) with the parameters ready.
+  template <typename Fn>
+  at::Tensor forward(Fn&& fn) {
+    begin_forward();
+    at::Tensor out = std::forward<Fn>(fn)();
+    end_forward(out);
+    return out;
+  }
+
+  // Runs loss.backward() and completes the strategy's gradient communication: when it
+  // returns, parameters()' gradients hold the gradient of the global batch (averaged over
+  // ranks), ready for the optimizer.
+  virtual void backward(const at::Tensor& loss) = 0;
+
+  // The tensors the optimizer must step: the module's parameters, or FSDP's local shards.
+  virtual std::vector<at::Tensor> parameters() = 0;
+
+  // L2 norm of the full (global-batch, unsharded) gradient. Call after backward().
+  virtual double grad_norm() = 0;
+
+  // Scales gradients so that their global norm is at most max_norm; returns the norm before
+  // clipping (as torch::nn::utils::clip_grad_norm_ does).
+  virtual double clip_grad_norm(double max_norm);
+
+  // Bytes this rank holds for parameters and gradients (including communication buffers
+  // that alias them) plus the given optimizer state tensors, each storage counted once.
+  // FULL_SHARD FSDP holds about 1/world_size of DataParallel's between steps.
+  virtual int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) = 0;
+
+  virtual const StepStats& last_step_stats() const = 0;
+  virtual std::string name() const = 0;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+ protected:
+  virtual void begin_forward() {}
+  virtual void end_forward(at::Tensor& /*output*/) {}
+};
+
+// Bytes held by the defined tensors (each storage counted once).
+int64_t tensor_bytes(const std::vector<at::Tensor>& tensors);
+
+}  // namespace dtrain

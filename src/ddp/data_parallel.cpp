@@ -1,0 +1,419 @@
+#include "dtrain/data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+
+#include <chrono>
+#include <cmath>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "compat/torch_compat.h"
+#include "dtrain/errors.h"
+
+namespace dtrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string signature_line(const std::string& name, const at::Tensor& t) {
+  return fmt::format("{} {} [{}]", name, c10::toString(t.scalar_type()),
+                     fmt::join(t.sizes(), ", "));
+}
+
+// An alias of `flat`'s storage shaped like `like`, that autograd does not see as a view:
+// optimizers may detach_() and zero_() it in place.
+at::Tensor alias_into(const at::Tensor& flat, int64_t offset, const at::Tensor& like) {
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, like.sizes(), like.strides());
+  return t;
+}
+
+}  // namespace
+
+class DataParallel::Reducer {
+ public:
+  Reducer(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
+          DataParallelOptions options);
+  ~Reducer() { token_.reset(); }
+
+  void begin_forward();
+  void backward(const at::Tensor& loss);
+  double grad_norm();
+  int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  CommunicatorPtr comm_;
+  DataParallelOptions options_;
+  std::shared_ptr<CommHook> hook_;
+  bool sync_ = true;
+  StepStats stats_;
+  std::vector<std::vector<size_t>> assignment_;
+  std::vector<int> launch_order_;
+  std::vector<at::Tensor> params_;  // trainable parameters, registration order
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;
+    std::vector<int64_t> offsets;
+    at::Tensor flat;
+    int pending = 0;
+    bool launched = false;
+    WorkPtr work;
+  };
+
+  ErrorContext ctx(const char* op) const {
+    return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
+  }
+  void verify_same_model(const std::vector<std::pair<std::string, at::Tensor>>& named);
+  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
+  void build_buckets(const std::vector<size_t>& order);
+  void ensure_grad_views();
+  void on_grad_ready(size_t param);
+  void launch_ready_buckets();
+  void launch(size_t b);
+  void finish_unused_parameters();
+  void rebuild_from_ready_order();
+
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<Bucket> buckets_;
+  std::vector<at::Tensor> grad_views_;  // per parameter, aliasing its bucket
+  std::vector<size_t> bucket_of_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::shared_ptr<Reducer*> token_;  // hooks hold it weakly: no call after destruction
+
+  std::mutex mu_;  // hooks run on autograd's threads
+  bool armed_ = false;
+  size_t next_launch_ = 0;
+  std::vector<uint8_t> used_;
+  std::vector<uint8_t> grad_was_none_;  // .grad was undefined at some point this step
+  std::vector<size_t> ready_order_;
+  int64_t iteration_ = 0;
+  bool rebuilt_ = false;
+  Clock::time_point first_launch_;
+};
+
+DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
+                               DataParallelOptions options)
+    : module_(std::move(module)), comm_(std::move(comm)), options_(std::move(options)) {
+  if (!comm_) throw InvalidArgument("DataParallel: communicator is null");
+  if (!module_) throw InvalidArgument(ctx("DataParallel()"), "module is null");
+  if (options_.bucket_cap_mb <= 0 || options_.first_bucket_cap_mb <= 0) {
+    throw InvalidArgument(ctx("DataParallel()"), "bucket caps must be positive");
+  }
+  hook_ = options_.comm_hook ? options_.comm_hook : allreduce_hook();
+
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::vector<at::Tensor> everything;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    named.emplace_back(item.key(), item.value());
+    everything.push_back(item.value());
+    if (item.value().requires_grad()) {
+      names_.push_back(item.key());
+      params_.push_back(item.value());
+    }
+  }
+  for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
+    named.emplace_back("buffer " + item.key(), item.value());
+    everything.push_back(item.value());
+    buffers_.push_back(item.value());
+  }
+  verify_same_model(named);
+  broadcast_from_rank0(everything);
+
+  used_.assign(params_.size(), 0);
+  grad_was_none_.assign(params_.size(), 0);
+  std::vector<size_t> order(params_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
+  build_buckets(order);
+
+  token_ = std::make_shared<Reducer*>(this);
+  std::weak_ptr<Reducer*> weak = token_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = compat::grad_accumulator(params_[i]);
+    compat::add_post_hook(acc, [weak, i] {
+      if (auto self = weak.lock()) (*self)->on_grad_ready(i);
+    });
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void DataParallel::Reducer::verify_same_model(
+    const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  const int world = comm_->world_size();
+  if (world == 1) return;
+  std::string sig;
+  for (const auto& [name, t] : named) sig += signature_line(name, t) + "\n";
+  // Exchange every rank's signature so that every rank reaches the same verdict and
+  // throws the same message: a mismatch must never leave one rank waiting on the others.
+  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), at::kLong);
+  at::Tensor lens = at::empty({world}, at::kLong);
+  comm_->all_gather(lens, len)->wait();
+  const int64_t max_len = lens.max().item<int64_t>();
+  at::Tensor mine = at::zeros({max_len}, at::kByte);
+  std::memcpy(mine.data_ptr(), sig.data(), sig.size());
+  at::Tensor all = at::empty({max_len * world}, at::kByte);
+  comm_->all_gather(all, mine)->wait();
+  auto lines_of = [&](int r) {
+    const char* p = static_cast<const char*>(all.data_ptr()) + r * max_len;
+    std::string s(p, static_cast<size_t>(lens[r].item<int64_t>()));
+    std::vector<std::string> lines;
+    size_t start = 0;
+    for (size_t nl; (nl = s.find('\n', start)) != std::string::npos; start = nl + 1)
+      lines.push_back(s.substr(start, nl - start));
+    return lines;
+  };
+  const auto reference = lines_of(0);
+  for (int r = 1; r < world; ++r) {
+    const auto other = lines_of(r);
+    for (size_t i = 0; i < std::max(reference.size(), other.size()); ++i) {
+      const std::string a = i < reference.size() ? reference[i] : "(nothing)";
+      const std::string b = i < other.size() ? other[i] : "(nothing)";
+      if (a != b) {
+        throw InvalidArgument(
+            ctx("DataParallel()"),
+            fmt::format("model differs between ranks: tensor #{} is '{}' on rank 0 but '{}' on "
+                        "rank {}",
+                        i, a, b, r));
+      }
+    }
+  }
+}
+
+void DataParallel::Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
+  if (comm_->world_size() == 1) return;
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<at::Tensor, at::Tensor>> pending;  // (target, contiguous copy)
+  std::vector<WorkPtr> works;
+  for (const auto& t : tensors) {
+    at::Tensor c = t.is_contiguous() ? t : t.contiguous();
+    works.push_back(comm_->broadcast(c, 0));
+    if (!t.is_contiguous()) pending.emplace_back(t, c);
+  }
+  for (auto& w : works) w->wait();
+  for (auto& [t, c] : pending) t.copy_(c);
+}
+
+void DataParallel::Reducer::build_buckets(const std::vector<size_t>& order) {
+  c10::NoGradGuard no_grad;
+  std::vector<int64_t> bytes(params_.size());
+  std::vector<int> dtypes(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    bytes[i] = params_[i].numel() * static_cast<int64_t>(params_[i].element_size());
+    // Buckets must not mix dtypes or devices: one id per (dtype, device).
+    dtypes[i] = static_cast<int>(params_[i].scalar_type()) * 1024 +
+                static_cast<int>(params_[i].device().type()) * 64 + params_[i].device().index() + 1;
+  }
+  auto mb = [](double m) { return static_cast<int64_t>(m * 1024 * 1024); };
+  assignment_ = assign_buckets(order, bytes, dtypes, mb(options_.first_bucket_cap_mb),
+                               mb(options_.bucket_cap_mb));
+  buckets_.clear();
+  grad_views_.assign(params_.size(), at::Tensor());
+  bucket_of_.assign(params_.size(), 0);
+  for (size_t b = 0; b < assignment_.size(); ++b) {
+    Bucket bucket;
+    bucket.params = assignment_[b];
+    int64_t n = 0;
+    for (size_t i : bucket.params) {
+      bucket.offsets.push_back(n);
+      n += params_[i].numel();
+    }
+    const at::Tensor& first = params_[bucket.params.front()];
+    bucket.flat = at::zeros({n}, first.options().requires_grad(false));
+    for (size_t k = 0; k < bucket.params.size(); ++k) {
+      const size_t i = bucket.params[k];
+      // Keep the parameter's own layout so AccumulateGrad can add into it in place.
+      at::Tensor like = params_[i].is_contiguous() ? params_[i] : params_[i].contiguous();
+      grad_views_[i] = alias_into(bucket.flat, bucket.offsets[k], like);
+      if (params_[i].grad().defined()) {
+        grad_views_[i].copy_(params_[i].grad());
+      } else {
+        grad_was_none_[i] = 1;
+      }
+      params_[i].mutable_grad() = grad_views_[i];
+      bucket_of_[i] = b;
+    }
+    buckets_.push_back(std::move(bucket));
+  }
+}
+
+void DataParallel::Reducer::ensure_grad_views() {
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    if (g.defined() && g.data_ptr() == grad_views_[i].data_ptr()) continue;
+    // zero_grad(set_to_none) or a user replaced .grad: bring the gradient back into its
+    // bucket (zeros for none) so backward accumulates where communication reads.
+    if (g.defined()) {
+      grad_views_[i].copy_(g);
+    } else {
+      grad_views_[i].zero_();
+      grad_was_none_[i] = 1;
+    }
+    params_[i].mutable_grad() = grad_views_[i];
+  }
+}
+
+void DataParallel::Reducer::begin_forward() {
+  if (iteration_ == 1 && options_.rebuild_buckets && !rebuilt_ && sync_) {
+    rebuild_from_ready_order();
+  }
+  ensure_grad_views();
+  if (options_.broadcast_buffers && !buffers_.empty()) broadcast_from_rank0(buffers_);
+}
+
+void DataParallel::Reducer::rebuild_from_ready_order() {
+  rebuilt_ = true;
+  // Rank 0's observed order wins, so every rank builds identical buckets.
+  std::vector<int64_t> order(params_.size());
+  std::vector<uint8_t> seen(params_.size(), 0);
+  size_t k = 0;
+  for (size_t i : ready_order_) {
+    if (!seen[i]) {
+      order[k++] = static_cast<int64_t>(i);
+      seen[i] = 1;
+    }
+  }
+  for (size_t j = params_.size(); j-- > 0;) {  // parameters that never became ready
+    if (!seen[j]) order[k++] = static_cast<int64_t>(j);
+  }
+  at::Tensor t = at::from_blob(order.data(), {static_cast<int64_t>(order.size())}, at::kLong);
+  comm_->broadcast(t, 0)->wait();
+  std::vector<size_t> agreed(order.begin(), order.end());
+  build_buckets(agreed);
+}
+
+void DataParallel::Reducer::on_grad_ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) return;
+  if (iteration_ == 0) ready_order_.push_back(i);
+  if (used_[i]) return;  // already counted this backward
+  used_[i] = 1;
+  Bucket& b = buckets_[bucket_of_[i]];
+  if (--b.pending == 0) launch_ready_buckets();
+}
+
+void DataParallel::Reducer::launch_ready_buckets() {
+  // Launch strictly in bucket order: every rank must issue the same collectives in the
+  // same order, whatever order its gradients became ready in.
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    launch(next_launch_++);
+  }
+}
+
+void DataParallel::Reducer::launch(size_t b) {
+  Bucket& bucket = buckets_[b];
+  if (next_launch_ == 1) first_launch_ = Clock::now();
+  GradBucket gb;
+  gb.index = static_cast<int>(b);
+  gb.buffer = bucket.flat;
+  for (size_t i : bucket.params) gb.parameters.push_back(params_[i]);
+  gb.offsets = bucket.offsets;
+  gb.is_last = b + 1 == buckets_.size();
+  bucket.work = hook_->run(*comm_, gb);
+  bucket.launched = true;
+  launch_order_.push_back(static_cast<int>(b));
+  stats_.bytes_communicated +=
+      bucket.flat.numel() * static_cast<int64_t>(bucket.flat.element_size());
+  stats_.num_collectives += 1;
+}
+
+void DataParallel::Reducer::backward(const at::Tensor& loss) {
+  ensure_grad_views();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_ = StepStats{};
+    launch_order_.clear();
+    next_launch_ = 0;
+    std::fill(used_.begin(), used_.end(), 0);
+    for (auto& b : buckets_) {
+      b.pending = static_cast<int>(b.params.size());
+      b.launched = false;
+      b.work.reset();
+    }
+    armed_ = sync_;
+  }
+  loss.backward();
+  std::lock_guard<std::mutex> lock(mu_);
+  armed_ = false;
+  if (!sync_) return;  // no_sync: gradients stay local, accumulated in the buckets
+
+  // Parameters that received no gradient leave their bucket pending: flush what is left,
+  // still in order (their gradient region holds zeros or earlier accumulation).
+  for (auto& b : buckets_) b.pending = 0;
+  launch_ready_buckets();
+  const auto wait_start = Clock::now();
+  for (auto& b : buckets_) b.work->wait();
+  const auto done = Clock::now();
+  stats_.comm_wait_s = std::chrono::duration<double>(done - wait_start).count();
+  stats_.comm_total_s = std::chrono::duration<double>(done - first_launch_).count();
+  for (auto& b : buckets_) b.work.reset();
+  if (options_.find_unused_parameters) finish_unused_parameters();
+  std::fill(grad_was_none_.begin(), grad_was_none_.end(), 0);
+  ++iteration_;
+}
+
+void DataParallel::Reducer::finish_unused_parameters() {
+  at::Tensor used = at::empty({static_cast<int64_t>(used_.size())}, at::kByte);
+  std::memcpy(used.data_ptr(), used_.data(), used_.size());
+  comm_->all_reduce(used, ReduceOp::kMax)->wait();
+  const auto* u = used.data_ptr<uint8_t>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // Unused everywhere: leave .grad as single-device training would, undefined if the
+    // optimizer had set it to none (LibTorch 2.x's zero_grad), zeros otherwise.
+    if (u[i] == 0 && grad_was_none_[i]) params_[i].mutable_grad().reset();
+  }
+}
+
+double DataParallel::Reducer::grad_norm() {
+  double sq = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    if (g.defined()) sq += g.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  return std::sqrt(sq);
+}
+
+int64_t DataParallel::Reducer::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {
+  std::vector<at::Tensor> all = optimizer_state;
+  for (const auto& p : module_->parameters()) {
+    all.push_back(p);
+    all.push_back(p.grad());
+  }
+  for (const auto& b : buckets_) all.push_back(b.flat);
+  return tensor_bytes(all);
+}
+
+// --- DataParallel ---
+
+DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
+                           DataParallelOptions options)
+    : reducer_(std::make_unique<Reducer>(std::move(module), std::move(comm), std::move(options))) {}
+
+DataParallel::~DataParallel() = default;
+
+void DataParallel::backward(const at::Tensor& loss) { reducer_->backward(loss); }
+std::vector<at::Tensor> DataParallel::parameters() { return reducer_->module_->parameters(); }
+double DataParallel::grad_norm() { return reducer_->grad_norm(); }
+int64_t DataParallel::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {
+  return reducer_->model_state_bytes(optimizer_state);
+}
+const StepStats& DataParallel::last_step_stats() const { return reducer_->stats_; }
+int DataParallel::rank() const { return reducer_->comm_->rank(); }
+int DataParallel::world_size() const { return reducer_->comm_->world_size(); }
+void DataParallel::begin_forward() { reducer_->begin_forward(); }
+std::vector<std::vector<size_t>> DataParallel::bucket_assignment() const {
+  return reducer_->assignment_;
+}
+std::vector<int> DataParallel::last_launch_order() const { return reducer_->launch_order_; }
+
+DataParallel::NoSyncGuard::NoSyncGuard(DataParallel& ddp)
+    : ddp_(ddp), previous_(ddp.reducer_->sync_) {
+  ddp_.reducer_->sync_ = false;
+}
+DataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.reducer_->sync_ = previous_; }
+
+}  // namespace dtrain

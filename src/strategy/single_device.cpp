@@ -1,0 +1,39 @@
+#include "dtrain/single_device.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cmath>
+
+#include "dtrain/errors.h"
+
+namespace dtrain {
+
+SingleDevice::SingleDevice(std::shared_ptr<torch::nn::Module> module, SingleDeviceOptions options)
+    : module_(std::move(module)) {
+  if (!module_) throw InvalidArgument(ErrorContext{0, 1, "SingleDevice()", -1}, "module is null");
+  module_->to(options.device);
+}
+
+void SingleDevice::backward(const at::Tensor& loss) { loss.backward(); }
+
+std::vector<at::Tensor> SingleDevice::parameters() { return module_->parameters(); }
+
+double SingleDevice::grad_norm() {
+  double sq = 0;
+  for (const auto& p : module_->parameters()) {
+    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  return std::sqrt(sq);
+}
+
+int64_t SingleDevice::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {
+  std::vector<at::Tensor> all = optimizer_state;
+  for (const auto& p : module_->parameters()) {
+    all.push_back(p);
+    all.push_back(p.grad());
+  }
+  return tensor_bytes(all);
+}
+
+}  // namespace dtrain

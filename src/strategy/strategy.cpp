@@ -1,0 +1,34 @@
+#include "dtrain/strategy.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <unordered_set>
+
+namespace dtrain {
+
+double Strategy::clip_grad_norm(double max_norm) {
+  const double norm = grad_norm();
+  // Same coefficient as torch::nn::utils::clip_grad_norm_.
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    c10::NoGradGuard no_grad;
+    for (auto& p : parameters()) {
+      if (p.grad().defined()) p.mutable_grad().mul_(coef);
+    }
+  }
+  return norm;
+}
+
+int64_t tensor_bytes(const std::vector<at::Tensor>& tensors) {
+  std::unordered_set<const void*> seen;
+  int64_t total = 0;
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.has_storage()) continue;
+    const void* key = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(key).second) total += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return total;
+}
+
+}  // namespace dtrain
