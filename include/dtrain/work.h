@@ -26,8 +26,9 @@ class Work {
   // Blocks until the call finished and rethrows its failure, if any (a dtrain::Error).
   // Throws dtrain::TimeoutError if it is still running after `timeout`; the call itself
   // then keeps running and the communicator's own timeout ends it.
-  // On CUDA backends wait() only orders the caller's stream after the call and
-  // returns without blocking the host (see synchronize()).
+  // On CUDA backends wait() with the default timeout only orders the caller's stream after
+  // the call and returns without blocking the host (see synchronize()); with an explicit
+  // timeout, and for barrier(), it blocks the host until the call finished.
   virtual void wait(std::chrono::milliseconds timeout = kDefaultTimeout) = 0;
 
   // On CUDA backends: makes the caller's stream wait for the call without blocking the

@@ -1,0 +1,266 @@
+#include "comm/nccl/nccl_comm.h"
+
+#include <fmt/format.h>
+
+#include "comm/nccl/current_stream.h"
+
+namespace dtrain::nccl_backend {
+namespace {
+
+// How often the watchdog looks at in-flight calls: the delay before a finished call's
+// tensors are released and before an NCCL error or a timeout is acted on.
+constexpr std::chrono::milliseconds kWatchdogPeriod{10};
+
+// A CommError for a call that fails because of `first`, an earlier failure.
+std::exception_ptr after_failure(const ErrorContext& ctx, const std::exception_ptr& first,
+                                 const char* what) {
+  try {
+    std::rethrow_exception(first);
+  } catch (const Error& e) {
+    const ErrorContext& at = e.context();
+    const std::string where = at.sequence >= 0 ? fmt::format("{} #{}", at.op, at.sequence) : at.op;
+    return std::make_exception_ptr(
+        CommError(ctx, fmt::format("{}, at {}: {}", what, where, e.cause())));
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(CommError(ctx, fmt::format("{}: {}", what, e.what())));
+  }
+}
+
+}  // namespace
+
+NcclComm::NcclComm(const ncclUniqueId& id, int rank, int world_size, int device,
+                   Clock::time_point join_deadline, std::chrono::milliseconds teardown_timeout)
+    : rank_(rank), world_size_(world_size), device_(device), teardown_timeout_(teardown_timeout) {
+  const ErrorContext ctx = context("connect", -1);
+  use_device(device_, ctx);
+  cudaStream_t stream = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), ctx, "cudaStreamCreate");
+  stream_.reset(stream);
+  caller_ready_ = make_event(ctx);
+  void* buffer = nullptr;
+  check_cuda(cudaMalloc(&buffer, sizeof(float)), ctx, "cudaMalloc");
+  barrier_buffer_.reset(buffer);
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t status = ncclCommInitRankConfig(&comm, world_size, id, rank, &config);
+  if (comm != nullptr) status = settle(comm, status, join_deadline);
+  if (status != ncclSuccess) {
+    const std::string reason = nccl_reason(status, comm);
+    // Also ends NCCL's bootstrap, which would otherwise keep waiting for the missing ranks.
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    if (status == ncclInProgress) {
+      throw TimeoutError(ctx, "not every rank joined the NCCL communicator in time");
+    }
+    throw CommError(ctx, "ncclCommInitRankConfig failed: " + reason);
+  }
+  comm_ = comm;
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+NcclComm::~NcclComm() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stop_ = true;
+  }
+  queue_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+
+  std::lock_guard<std::mutex> launch_lock(launch_mu_);
+  const ErrorContext ctx = context("destroy", -1);
+  try {
+    use_device(device_, ctx);
+  } catch (const Error&) {
+    // Best effort: teardown goes on with whatever device is current.
+  }
+  if (comm_ != nullptr) {
+    const auto deadline = Clock::now() + teardown_timeout_;
+    // Finalize, not a bare destroy: it is non-blocking, so a peer that died cannot hang us.
+    bool clean = drain_locked(deadline);
+    if (clean) clean = settle(comm_, ncclCommFinalize(comm_), deadline) == ncclSuccess;
+    if (clean) {
+      (void)ncclCommDestroy(comm_);
+      comm_ = nullptr;
+    } else {
+      break_locked(std::make_exception_ptr(
+                       CommError(ctx, fmt::format("the communicator was destroyed while calls were "
+                                                  "running and they did not finish within {} ms",
+                                                  teardown_timeout_.count()))),
+                   nullptr);
+    }
+  }
+  // After an abort NCCL's kernels return promptly: release their tensors only then.
+  drain_locked(Clock::now() + teardown_timeout_);
+  for (InFlight& f : in_flight_) {
+    if (!f.work->finished()) {
+      f.work->fail(std::make_exception_ptr(
+          CommError(f.work->context(), "the communicator was destroyed before the call ran")));
+    }
+    f.work->release_tensors();
+  }
+}
+
+ErrorContext NcclComm::context(const char* op, int64_t seq) const {
+  return ErrorContext{rank_, world_size_, op, seq};
+}
+
+WorkPtr NcclComm::launch(const char* op, std::vector<at::Tensor> tensors,
+                         std::chrono::milliseconds timeout, bool blocks_host, const Call& call) {
+  std::lock_guard<std::mutex> launch_lock(launch_mu_);
+  const uint64_t seq = seq_.fetch_add(1);
+  const ErrorContext ctx = context(op, static_cast<int64_t>(seq));
+  // Same host bound as Gloo's works: the call's own timeout plus as long again for queueing.
+  auto work = std::make_shared<NcclWork>(seq, op, ctx, device_, blocks_host,
+                                         2 * timeout + std::chrono::seconds(1), std::move(tensors));
+  std::exception_ptr earlier;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    earlier = broken_;
+  }
+  if (earlier) {
+    work->fail(after_failure(ctx, earlier, "communicator failed earlier"));
+    return work;
+  }
+  try {
+    use_device(device_, ctx);
+    // The stream-to-stream edge that orders the call after the caller's kernels.
+    check_cuda(cudaEventRecord(caller_ready_.get(), current_stream(device_)), ctx,
+               "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(stream_.get(), caller_ready_.get(), 0), ctx,
+               "cudaStreamWaitEvent");
+    work->record_start(stream_.get());
+    const ncclResult_t status = settle(comm_, call(comm_, stream_.get()), Clock::now() + timeout);
+    if (status == ncclInProgress) {
+      throw TimeoutError(ctx,
+                         fmt::format("NCCL did not accept the call within {} ms", timeout.count()));
+    }
+    check_nccl(status, ctx, "NCCL call", comm_);
+    // Only now: nothing may be queued on NCCL's stream while a call is in progress.
+    work->record_done(stream_.get());
+  } catch (const Error&) {
+    // This rank's sequence of calls now differs from its peers': nothing later can match.
+    break_locked(std::current_exception(), work.get());
+    return work;
+  }
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    in_flight_.push_back(InFlight{work, timeout, std::nullopt});
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
+void NcclComm::break_locked(const std::exception_ptr& error, NcclWork* origin) {
+  std::vector<std::shared_ptr<NcclWork>> unfinished;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    if (!broken_) broken_ = error;
+    for (InFlight& f : in_flight_) {
+      if (!f.work->finished()) unfinished.push_back(f.work);
+    }
+  }
+  // Before the abort: an aborted call's `done` event is reached too, with garbage results,
+  // and must not look like a success. The works stay queued so that the watchdog releases
+  // their tensors only once NCCL's kernels have returned.
+  for (const auto& work : unfinished) {
+    if (work.get() == origin) continue;
+    work->fail(
+        after_failure(work->context(), error, "communicator aborted after an earlier failure"));
+  }
+  if (origin != nullptr) origin->fail(error);
+  if (comm_ != nullptr) {
+    (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+}
+
+bool NcclComm::drain_locked(Clock::time_point deadline) {
+  auto nap = std::chrono::microseconds(10);
+  for (;;) {
+    const cudaError_t status = cudaStreamQuery(stream_.get());
+    if (status == cudaSuccess) return true;
+    (void)cudaGetLastError();  // "not ready" is recorded as the last error; clear it
+    if (status != cudaErrorNotReady) return false;
+    if (comm_ != nullptr) {
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) return false;
+      if (state != ncclSuccess && state != ncclInProgress) return false;
+    }
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(nap);
+    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+  }
+}
+
+void NcclComm::watchdog_loop() {
+  try {
+    // Otherwise this thread's first CUDA call would create a context on device 0.
+    use_device(device_, context("watchdog", -1));
+  } catch (const Error&) {
+    // Event queries work from any device; only the stray context is lost.
+  }
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  while (!stop_) {
+    if (in_flight_.empty()) {
+      queue_cv_.wait(lock, [&] { return stop_ || !in_flight_.empty(); });
+      continue;
+    }
+    lock.unlock();
+    try {
+      watch_once();
+    } catch (const std::exception&) {
+      // Only allocation can fail here; the next round tries again. Never terminate.
+    }
+    lock.lock();
+    queue_cv_.wait_for(lock, kWatchdogPeriod, [&] { return stop_; });
+  }
+}
+
+void NcclComm::watch_once() {
+  std::vector<std::shared_ptr<NcclWork>> retired;
+  std::shared_ptr<NcclWork> oldest;
+  std::exception_ptr failure;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    // Calls finish in issue order: only the front can have finished.
+    while (!in_flight_.empty() && in_flight_.front().work->finished()) {
+      retired.push_back(std::move(in_flight_.front().work));
+      in_flight_.pop_front();
+    }
+    if (in_flight_.empty() || broken_) {
+      // Broken: the works stay only until their kernels returned; nothing left to watch.
+    } else {
+      InFlight& front = in_flight_.front();
+      oldest = front.work;
+      const auto now = Clock::now();
+      if (!front.started && front.work->started()) front.started = now;
+      if (front.started && now - *front.started > front.timeout) {
+        failure = std::make_exception_ptr(TimeoutError(
+            oldest->context(),
+            fmt::format("not completed within {} ms of starting on the GPU: a peer is hung, "
+                        "dead, or issued a different call; communicator aborted",
+                        front.timeout.count())));
+      }
+    }
+  }
+  for (const auto& work : retired) work->release_tensors();
+  if (!oldest) return;
+
+  std::lock_guard<std::mutex> launch_lock(launch_mu_);
+  if (comm_ == nullptr) return;
+  if (failure && oldest->finished()) return;  // finished while we were deciding
+  if (!failure) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t query = ncclCommGetAsyncError(comm_, &state);
+    if (query != ncclSuccess) state = query;
+    if (state == ncclSuccess || state == ncclInProgress) return;
+    failure = std::make_exception_ptr(
+        CommError(oldest->context(),
+                  fmt::format("NCCL reported an asynchronous error: {}; communicator aborted",
+                              nccl_reason(state, comm_))));
+  }
+  break_locked(failure, oldest.get());
+}
+
+}  // namespace dtrain::nccl_backend

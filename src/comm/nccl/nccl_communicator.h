@@ -1,0 +1,23 @@
+// NCCL backend: CUDA tensors, one NCCL communicator and one CUDA stream per dtrain
+// communicator. Calls are ordered after the caller's stream and return without blocking the
+// host; a watchdog ends calls that fail or hang. Design and error model: docs/nccl.md.
+//
+// Only the factory is declared here, so that no CUDA or NCCL header reaches code outside
+// src/comm/nccl/.
+#pragma once
+
+#include <memory>
+
+#include "dtrain/communicator.h"
+
+namespace dtrain::nccl_backend {
+
+// Joins `world_size` ranks through `store`: rank 0 publishes NCCL's unique id under
+// "dtrain/nccl/<options.name>/", the others read it. Uses CUDA device
+// options.device_index, or the current device if it is negative. Throws InvalidArgument
+// without a usable CUDA device, TimeoutError if not every rank joined within
+// options.timeout, CommError if CUDA or NCCL fail.
+CommunicatorPtr make_nccl_communicator(std::shared_ptr<Store> store, int rank, int world_size,
+                                       const CommunicatorOptions& options);
+
+}  // namespace dtrain::nccl_backend
