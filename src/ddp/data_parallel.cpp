@@ -12,16 +12,12 @@
 
 #include "compat/torch_compat.h"
 #include "dtrain/errors.h"
+#include "strategy/module_sync.h"
 
 namespace dtrain {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string signature_line(const std::string& name, const at::Tensor& t) {
-  return fmt::format("{} {} [{}]", name, c10::toString(t.scalar_type()),
-                     fmt::join(t.sizes(), ", "));
-}
 
 // An alias of `flat`'s storage shaped like `like`, that autograd does not see as a view:
 // optimizers may detach_() and zero_() it in place.
@@ -67,8 +63,6 @@ class DataParallel::Reducer {
   ErrorContext ctx(const char* op) const {
     return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
   }
-  void verify_same_model(const std::vector<std::pair<std::string, at::Tensor>>& named);
-  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors);
   void build_buckets(const std::vector<size_t>& order);
   void ensure_grad_views();
   void on_grad_ready(size_t param);
@@ -121,8 +115,8 @@ DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, Commun
     everything.push_back(item.value());
     buffers_.push_back(item.value());
   }
-  verify_same_model(named);
-  broadcast_from_rank0(everything);
+  verify_same_model(*comm_, named, "DataParallel()");
+  broadcast_from_rank0(*comm_, everything);
 
   used_.assign(params_.size(), 0);
   grad_was_none_.assign(params_.size(), 0);
@@ -139,62 +133,6 @@ DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, Commun
     });
     accumulators_.push_back(std::move(acc));
   }
-}
-
-void DataParallel::Reducer::verify_same_model(
-    const std::vector<std::pair<std::string, at::Tensor>>& named) {
-  const int world = comm_->world_size();
-  if (world == 1) return;
-  std::string sig;
-  for (const auto& [name, t] : named) sig += signature_line(name, t) + "\n";
-  // Exchange every rank's signature so that every rank reaches the same verdict and
-  // throws the same message: a mismatch must never leave one rank waiting on the others.
-  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), at::kLong);
-  at::Tensor lens = at::empty({world}, at::kLong);
-  comm_->all_gather(lens, len)->wait();
-  const int64_t max_len = lens.max().item<int64_t>();
-  at::Tensor mine = at::zeros({max_len}, at::kByte);
-  std::memcpy(mine.data_ptr(), sig.data(), sig.size());
-  at::Tensor all = at::empty({max_len * world}, at::kByte);
-  comm_->all_gather(all, mine)->wait();
-  auto lines_of = [&](int r) {
-    const char* p = static_cast<const char*>(all.data_ptr()) + r * max_len;
-    std::string s(p, static_cast<size_t>(lens[r].item<int64_t>()));
-    std::vector<std::string> lines;
-    size_t start = 0;
-    for (size_t nl; (nl = s.find('\n', start)) != std::string::npos; start = nl + 1)
-      lines.push_back(s.substr(start, nl - start));
-    return lines;
-  };
-  const auto reference = lines_of(0);
-  for (int r = 1; r < world; ++r) {
-    const auto other = lines_of(r);
-    for (size_t i = 0; i < std::max(reference.size(), other.size()); ++i) {
-      const std::string a = i < reference.size() ? reference[i] : "(nothing)";
-      const std::string b = i < other.size() ? other[i] : "(nothing)";
-      if (a != b) {
-        throw InvalidArgument(
-            ctx("DataParallel()"),
-            fmt::format("model differs between ranks: tensor #{} is '{}' on rank 0 but '{}' on "
-                        "rank {}",
-                        i, a, b, r));
-      }
-    }
-  }
-}
-
-void DataParallel::Reducer::broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
-  if (comm_->world_size() == 1) return;
-  c10::NoGradGuard no_grad;
-  std::vector<std::pair<at::Tensor, at::Tensor>> pending;  // (target, contiguous copy)
-  std::vector<WorkPtr> works;
-  for (const auto& t : tensors) {
-    at::Tensor c = t.is_contiguous() ? t : t.contiguous();
-    works.push_back(comm_->broadcast(c, 0));
-    if (!t.is_contiguous()) pending.emplace_back(t, c);
-  }
-  for (auto& w : works) w->wait();
-  for (auto& [t, c] : pending) t.copy_(c);
 }
 
 void DataParallel::Reducer::build_buckets(const std::vector<size_t>& order) {
@@ -262,7 +200,7 @@ void DataParallel::Reducer::begin_forward() {
     rebuild_from_ready_order();
   }
   ensure_grad_views();
-  if (options_.broadcast_buffers && !buffers_.empty()) broadcast_from_rank0(buffers_);
+  if (options_.broadcast_buffers && !buffers_.empty()) broadcast_from_rank0(*comm_, buffers_);
 }
 
 void DataParallel::Reducer::rebuild_from_ready_order() {
