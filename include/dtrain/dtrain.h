@@ -1,9 +1,14 @@
 // Umbrella header: everything a training program needs from dtrain.
 #pragma once
 
+#include "dtrain/comm_hook.h"
 #include "dtrain/communicator.h"
+#include "dtrain/data_parallel.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/config.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
+#include "dtrain/single_device.h"
 #include "dtrain/store.h"
+#include "dtrain/strategy.h"
 #include "dtrain/work.h"

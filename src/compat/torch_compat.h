@@ -36,4 +36,21 @@ void add_post_hook(const std::shared_ptr<torch::autograd::Node>& node, Fn fn) {
       }));
 }
 
+// Frees the memory behind `t`'s storage while keeping the storage object, which autograd's
+// saved tensors and the module's parameter views share; refill_storage gives it fresh memory
+// of `nbytes`. Uses the storage's own allocator, so it works for any device.
+inline void release_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(static_cast<size_t>(0));
+}
+
+inline void refill_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+inline bool storage_is_released(const at::Tensor& t) { return t.storage().nbytes() == 0; }
+
 }  // namespace dtrain::compat

@@ -11,6 +11,8 @@
 
 #include <cmath>
 
+#include "dtrain/fsdp.h"
+
 namespace dtrain::testing {
 
 struct MlpImpl : torch::nn::Module {
@@ -55,7 +57,10 @@ struct BlockImpl : torch::nn::Module {
     att = at::softmax(att.masked_fill(mask, -1e9), -1);
     at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, C});
     at::Tensor h = x + proj->forward(y);
-    return h + down->forward(at::gelu(up->forward(ln2->forward(h))));
+    at::Tensor n = ln2->forward(h);
+    // `up` may be a unit nested in the block's unit (FSDP tests); a no-op call otherwise.
+    at::Tensor u = dtrain::unit_call(*up, [&] { return up->forward(n); });
+    return h + down->forward(at::gelu(u));
   }
   int64_t heads;
   torch::nn::LayerNorm ln1;
@@ -78,7 +83,7 @@ struct TinyTransformerImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& idx) {
     at::Tensor pos = at::arange(idx.size(1), idx.options());
     at::Tensor x = wte->forward(idx) + wpe->forward(pos);
-    for (auto& b : blocks) x = b->forward(x);
+    for (auto& b : blocks) x = dtrain::unit_call(*b, [&] { return b->forward(x); });
     return torch::nn::functional::linear(ln_f->forward(x), wte->weight);
   }
   torch::nn::Embedding wte, wpe;

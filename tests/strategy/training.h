@@ -34,7 +34,9 @@ struct Case {
   bool accumulate = false;  // two micro-batches per step, the first under no_sync
   bool skip_extra = false;  // the MLP's extra branch is used on even steps only
   bool find_unused = false;
-  bool set_to_none = false;  // reset .grad to undefined instead of zeroing (2.x zero_grad)
+  bool set_to_none = false;
+  double clip = 0;  // clip_grad_norm(clip) before each step when > 0  // reset .grad to undefined
+                    // instead of zeroing (2.x zero_grad)
   double rtol = 1e-5;
   double atol = 1e-6;
   double bucket_mb = 25, first_bucket_mb = 1;
@@ -117,6 +119,7 @@ inline void train(const Case& c, Strategy& strategy, torch::nn::Module& module,
       at::Tensor l = strategy.forward([&] { return loss_of(c.model, module, x, y, use_extra); });
       strategy.backward(l);
     }
+    if (c.clip > 0) strategy.clip_grad_norm(c.clip);
     opt->step();
   }
 }

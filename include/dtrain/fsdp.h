@@ -1,0 +1,149 @@
+// FullyShardedDataParallel (FSDP): parameters, gradients and optimizer state sharded over
+// ranks, for any torch::nn::Module.
+//
+// The model is split into units: the whole model is always the root unit; submodules chosen
+// by FsdpOptions::wrap_policy become units of their own (typically every transformer block).
+// Each unit's parameters are flattened into one padded buffer of which every rank owns
+// 1/N (its shard). The optimizer steps the shards (parameters() returns them, in fp32).
+// Before a unit computes, its full parameters are all-gathered into the module's own
+// parameter tensors; after its forward and its backward they are freed again, so a rank
+// holds its shards plus the units in use. Gradients are reduce-scattered per unit as soon
+// as the unit's backward is done.
+//
+// C++ modules have no forward hooks, so a model marks where a unit runs with
+// dtrain::unit_call (a no-op under every other strategy and outside FSDP):
+//
+//   at::Tensor GptImpl::forward(const at::Tensor& idx) {
+//     at::Tensor x = wte(idx) + wpe(pos);
+//     for (auto& block : blocks) x = dtrain::unit_call(*block, [&] { return block->forward(x); });
+//     return lm_head(ln_f(x));
+//   }
+//
+// and the strategy is built with a policy that makes those blocks units:
+//
+//   dtrain::FsdpOptions o;
+//   o.wrap_policy = dtrain::wrap_modules_named("Block");    // or wrap_by_min_params(n)
+//   auto fsdp = std::make_shared<dtrain::FullyShardedDataParallel>(model, comm, o);
+//
+// A submodule that the policy wraps but the model never runs through unit_call is an error
+// (detected at the first forward).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/communicator.h"
+#include "dtrain/strategy.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace dtrain {
+
+enum class ShardingStrategy {
+  kFullShard,    // ZeRO-3: parameters freed after forward and after backward
+  kShardGradOp,  // ZeRO-2: parameters kept from forward to the end of backward
+  kNoShard,      // every rank keeps everything; gradients all-reduced (DDP-like)
+  kHybridShard,  // FULL_SHARD within a shard group, replicated across groups
+};
+
+enum class BackwardPrefetch {
+  kNone,          // gather a unit only when its backward is about to run
+  kBackwardPre,   // when unit k's backward starts, also gather the unit that runs next
+  kBackwardPost,  // once unit k's gradients are reduced, gather the unit that runs next
+};
+
+struct MixedPrecision {
+  // Dtype of the gathered parameters the module computes with (e.g. kBFloat16); unset: fp32.
+  c10::optional<c10::ScalarType> param_dtype;
+  // Dtype gradients are reduced in; unset: param_dtype (or fp32).
+  c10::optional<c10::ScalarType> reduce_dtype;
+};
+
+// Decides whether a submodule becomes its own unit. Arguments: the submodule's qualified
+// name (e.g. "h.3") and the module itself.
+using WrapPolicy = std::function<bool(const std::string& name, const torch::nn::Module& module)>;
+
+// Wraps every submodule whose name() (the C++ type name LibTorch records, e.g. "BlockImpl"
+// or the name given to Module's constructor) contains `type_name`.
+WrapPolicy wrap_modules_named(std::string type_name);
+// Wraps every submodule holding at least `min_params` parameters itself, outermost first.
+WrapPolicy wrap_by_min_params(int64_t min_params);
+
+struct FsdpOptions {
+  ShardingStrategy sharding = ShardingStrategy::kFullShard;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  // Gather unit k+1 while unit k's forward runs (order taken from the previous iteration).
+  bool forward_prefetch = false;
+  // Most units gathered ahead of use at once (prefetches beyond this wait), bounding memory.
+  int limit_all_gathers = 2;
+  MixedPrecision mixed_precision;
+  // Which submodules are units; null: the root unit only.
+  WrapPolicy wrap_policy;
+  // HYBRID_SHARD: communicators of this rank's shard group (shard over it) and replicate
+  // group (all-reduce over it); see make_hybrid_groups. Ignored by other strategies.
+  CommunicatorPtr shard_group;
+  CommunicatorPtr replicate_group;
+};
+
+class FullyShardedDataParallel final : public Strategy {
+ public:
+  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
+                           FsdpOptions options = {});
+  ~FullyShardedDataParallel() override;
+
+  void backward(const at::Tensor& loss) override;
+  // The local fp32 shards, one per unit: what the optimizer must step.
+  std::vector<at::Tensor> parameters() override;
+  double grad_norm() override;
+  int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
+  const StepStats& last_step_stats() const override;
+  std::string name() const override { return "fsdp"; }
+  int rank() const override;
+  int world_size() const override;
+
+  // Full (unsharded) parameters by qualified name, in module order, on rank 0; empty on
+  // other ranks. Collective: every rank must call it. Loadable into the unwrapped model.
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  // This rank's shards with the metadata needed to reassemble them (unit, offsets, sizes).
+  std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();
+
+  // Collectives issued in the last step, e.g. "all_gather:h.0", "reduce_scatter:h.1"
+  // (for tests and tuning of prefetch policies).
+  std::vector<std::string> last_collective_log() const;
+  // Unit names in execution (forward) order, as recorded in the first iteration.
+  std::vector<std::string> unit_order() const;
+
+  class Impl;
+
+ protected:
+  void begin_forward() override;
+  void end_forward(at::Tensor& output) override;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Runs `fn` as the forward of `module`. Under FullyShardedDataParallel, when `module` is a
+// unit, its parameters are gathered before and freed after (per the sharding strategy) and
+// its output is hooked for the pre-backward gather. Everywhere else it just calls fn().
+at::Tensor unit_call(torch::nn::Module& module, const std::function<at::Tensor()>& fn);
+
+// Splits `world` ranks into shard groups of `shard_group_size` consecutive ranks and
+// replicate groups of ranks with the same position in their shard group; connects both
+// through `store`. Every rank calls it.
+struct HybridGroups {
+  CommunicatorPtr shard_group;
+  CommunicatorPtr replicate_group;
+};
+HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int world_size,
+                                int shard_group_size, const CommunicatorOptions& options = {});
+
+}  // namespace dtrain

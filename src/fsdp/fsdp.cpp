@@ -1,0 +1,601 @@
+// FullyShardedDataParallel. One Unit per group of parameters gathered and freed together;
+// the module's own parameter tensors are views into the unit's flat buffer, whose memory is
+// released between uses (the storage object stays, so autograd's saved tensors see the
+// memory again once it is re-gathered before backward).
+#include "dtrain/fsdp.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "compat/torch_compat.h"
+#include "dtrain/errors.h"
+#include "strategy/module_sync.h"
+
+namespace dtrain {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The FSDP instance whose forward is running on this thread: how unit_call finds it
+// without any process-wide state. Set only inside Strategy::forward.
+thread_local FullyShardedDataParallel::Impl* t_active = nullptr;
+
+}  // namespace
+
+class FullyShardedDataParallel::Impl {
+ public:
+  Impl(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm, FsdpOptions options);
+  ~Impl();
+
+  void begin_forward();
+  void end_forward(at::Tensor& output);
+  at::Tensor unit_call(torch::nn::Module& module, const std::function<at::Tensor()>& fn);
+  void backward(const at::Tensor& loss);
+  double grad_norm();
+  int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();
+
+  CommunicatorPtr comm_;
+  StepStats stats_;
+  std::vector<at::Tensor> shards_;
+  std::vector<std::string> log_;
+  std::vector<std::string> order_names_;
+  mutable std::mutex mu_;
+
+ private:
+  struct Unit {
+    std::string name;
+    const torch::nn::Module* module = nullptr;
+    std::vector<at::Tensor> params;
+    std::vector<std::string> param_names;
+    std::vector<int64_t> offsets;
+    int64_t numel = 0, padded = 0, shard_numel = 0;
+    at::Tensor full;   // compute dtype, `padded` elements; memory released when sharded
+    at::Tensor shard;  // fp32 master shard, a leaf the optimizer steps
+    bool gathered = false;
+    WorkPtr gather_work;
+    at::Tensor gather_input;
+    int pending = 0;
+    bool reduce_launched = false;
+    WorkPtr reduce_work;
+    at::Tensor reduce_out;
+    std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+    bool ran = false;
+  };
+
+  ErrorContext ctx(const char* op) const {
+    return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
+  }
+  bool sharded() const { return shard_size_ > 1; }
+  bool frees_after_forward() const {
+    return options_.sharding == ShardingStrategy::kFullShard ||
+           options_.sharding == ShardingStrategy::kHybridShard;
+  }
+  void build_units();
+  void gather(Unit& u, const char* why);
+  void wait_gathered(Unit& u);
+  void release(Unit& u);
+  void prefetch(int index, const char* why);
+  void pre_backward(int index);
+  void on_grad_ready(int index);
+  void launch_ready_reductions();
+  void launch_reduction(Unit& u);
+  void finish_reduction(Unit& u);
+  int index_of(const torch::nn::Module& m) const;
+  void record(const std::string& entry) { log_.push_back(entry); }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  FsdpOptions options_;
+  CommunicatorPtr shard_comm_;      // null when shard_size_ == 1
+  CommunicatorPtr replicate_comm_;  // null when there is no replication
+  int shard_size_ = 1, shard_rank_ = 0;
+  c10::ScalarType param_dtype_ = at::kFloat, reduce_dtype_ = at::kFloat;
+
+  std::vector<Unit> units_;  // units_[0] is the root
+  std::map<const torch::nn::Module*, int> unit_of_module_;
+  std::shared_ptr<Impl*> token_;
+
+  // Execution order: unit indices in forward order (recorded each iteration, compared with
+  // the first); reductions launch in the reverse order, root last.
+  std::vector<int> forward_order_, recorded_order_;
+  std::vector<int> reduce_order_;
+  size_t next_reduce_ = 0;
+  bool armed_ = false;
+  int64_t iteration_ = 0;
+  Clock::time_point first_reduce_;
+};
+
+FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
+                                     CommunicatorPtr comm, FsdpOptions options)
+    : comm_(std::move(comm)), module_(std::move(module)), options_(std::move(options)) {
+  if (!comm_) throw InvalidArgument("FullyShardedDataParallel: communicator is null");
+  if (!module_) throw InvalidArgument(ctx("FullyShardedDataParallel()"), "module is null");
+  if (options_.limit_all_gathers < 1) {
+    throw InvalidArgument(ctx("FullyShardedDataParallel()"), "limit_all_gathers must be >= 1");
+  }
+  switch (options_.sharding) {
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      if (comm_->world_size() > 1) shard_comm_ = comm_;
+      break;
+    case ShardingStrategy::kNoShard:
+      if (comm_->world_size() > 1) replicate_comm_ = comm_;
+      break;
+    case ShardingStrategy::kHybridShard:
+      if (!options_.shard_group || !options_.replicate_group) {
+        throw InvalidArgument(ctx("FullyShardedDataParallel()"),
+                              "HYBRID_SHARD needs FsdpOptions::shard_group and replicate_group "
+                              "(see make_hybrid_groups)");
+      }
+      if (options_.shard_group->world_size() * options_.replicate_group->world_size() !=
+          comm_->world_size()) {
+        throw InvalidArgument(ctx("FullyShardedDataParallel()"),
+                              "shard group size x replicate group size must equal world size");
+      }
+      if (options_.shard_group->world_size() > 1) shard_comm_ = options_.shard_group;
+      if (options_.replicate_group->world_size() > 1) replicate_comm_ = options_.replicate_group;
+      break;
+  }
+  if (shard_comm_) {
+    shard_size_ = shard_comm_->world_size();
+    shard_rank_ = shard_comm_->rank();
+  }
+  if (options_.mixed_precision.param_dtype) param_dtype_ = *options_.mixed_precision.param_dtype;
+  reduce_dtype_ = options_.mixed_precision.reduce_dtype.value_or(param_dtype_);
+
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::vector<at::Tensor> everything;
+  for (const auto& item : module_->named_parameters(true)) {
+    named.emplace_back(item.key(), item.value());
+    everything.push_back(item.value());
+  }
+  for (const auto& item : module_->named_buffers(true)) {
+    named.emplace_back("buffer " + item.key(), item.value());
+    everything.push_back(item.value());
+  }
+  verify_same_model(*comm_, named, "FullyShardedDataParallel()");
+  broadcast_from_rank0(*comm_, everything);
+  build_units();
+}
+
+FullyShardedDataParallel::Impl::~Impl() {
+  token_.reset();
+  if (t_active == this) t_active = nullptr;
+}
+
+void FullyShardedDataParallel::Impl::build_units() {
+  c10::NoGradGuard no_grad;
+  units_.emplace_back();
+  units_[0].name = "(root)";
+  units_[0].module = module_.get();
+  unit_of_module_[module_.get()] = 0;
+  std::vector<std::string> prefixes = {""};
+  if (options_.wrap_policy) {
+    for (const auto& item : module_->named_modules("", /*include_self=*/false)) {
+      if (!options_.wrap_policy(item.key(), *item.value())) continue;
+      Unit u;
+      u.name = item.key();
+      u.module = item.value().get();
+      unit_of_module_[u.module] = static_cast<int>(units_.size());
+      units_.push_back(std::move(u));
+      prefixes.push_back(item.key() + ".");
+    }
+  }
+  // Every trainable parameter belongs to its innermost unit (longest name prefix).
+  for (const auto& item : module_->named_parameters(true)) {
+    if (!item.value().requires_grad()) continue;
+    size_t best = 0;
+    for (size_t k = 1; k < prefixes.size(); ++k) {
+      if (item.key().rfind(prefixes[k], 0) == 0 && prefixes[k].size() > prefixes[best].size())
+        best = k;
+    }
+    units_[best].params.push_back(item.value());
+    units_[best].param_names.push_back(item.key());
+  }
+  token_ = std::make_shared<Impl*>(this);
+  std::weak_ptr<Impl*> weak = token_;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    Unit& u = units_[k];
+    for (const auto& p : u.params) {
+      u.offsets.push_back(u.numel);
+      u.numel += p.numel();
+    }
+    u.padded = padded_size(std::max<int64_t>(u.numel, 1), shard_size_);
+    u.shard_numel = u.padded / shard_size_;
+    const auto device = u.params.empty() ? c10::Device(c10::kCPU) : u.params.front().device();
+    at::Tensor flat32 = at::zeros({u.padded}, at::TensorOptions().dtype(at::kFloat).device(device));
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      flat32.narrow(0, u.offsets[i], u.params[i].numel()).copy_(u.params[i].reshape({-1}));
+    }
+    u.shard = flat32.narrow(0, shard_rank_ * u.shard_numel, u.shard_numel).clone();
+    u.shard.requires_grad_(true);
+    u.full = flat32.to(param_dtype_).clone();  // a storage of its own
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      at::Tensor& p = u.params[i];
+      p.set_data(u.full.narrow(0, u.offsets[i], p.numel()).view(p.sizes()));
+    }
+    u.gathered = true;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      auto acc = compat::grad_accumulator(u.params[i]);
+      const int index = static_cast<int>(k);
+      compat::add_post_hook(acc, [weak, index] {
+        if (auto self = weak.lock()) (*self)->on_grad_ready(index);
+      });
+      u.accumulators.push_back(std::move(acc));
+    }
+    shards_.push_back(u.shard);
+    if (sharded()) release(u);
+  }
+}
+
+int FullyShardedDataParallel::Impl::index_of(const torch::nn::Module& m) const {
+  auto it = unit_of_module_.find(&m);
+  return it == unit_of_module_.end() ? -1 : it->second;
+}
+
+void FullyShardedDataParallel::Impl::gather(Unit& u, const char* why) {
+  if (u.gathered || u.gather_work) return;
+  c10::NoGradGuard no_grad;
+  if (compat::storage_is_released(u.full)) {
+    compat::refill_storage(u.full, static_cast<size_t>(u.padded) * u.full.element_size());
+  }
+  at::Tensor input = u.shard.detach().to(param_dtype_);
+  if (!shard_comm_) {
+    std::memcpy(u.full.data_ptr(), input.data_ptr(), input.nbytes());
+    u.gathered = true;
+  } else {
+    u.gather_input = input;
+    u.gather_work = shard_comm_->all_gather(u.full, input);
+    stats_.bytes_communicated += static_cast<int64_t>(input.nbytes());
+    stats_.num_collectives += 1;
+  }
+  record(fmt::format("all_gather:{}{}", u.name, why));
+}
+
+void FullyShardedDataParallel::Impl::wait_gathered(Unit& u) {
+  if (u.gather_work) {
+    const auto start = Clock::now();
+    u.gather_work->wait();
+    stats_.comm_wait_s += std::chrono::duration<double>(Clock::now() - start).count();
+    u.gather_work.reset();
+    u.gather_input = at::Tensor();
+    u.gathered = true;
+  }
+}
+
+void FullyShardedDataParallel::Impl::release(Unit& u) {
+  if (!sharded()) {
+    // Unsharded: keep the memory, but refresh it from the (stepped) shard at the next use.
+    u.gathered = false;
+    return;
+  }
+  wait_gathered(u);  // never free memory a collective still writes
+  compat::release_storage(u.full);
+  u.gathered = false;
+}
+
+void FullyShardedDataParallel::Impl::prefetch(int index, const char* why) {
+  if (index <= 0 || index >= static_cast<int>(units_.size())) return;
+  Unit& u = units_[index];
+  if (u.gathered || u.gather_work || !sharded()) return;
+  int ahead = 0;
+  for (size_t k = 1; k < units_.size(); ++k) ahead += units_[k].gather_work ? 1 : 0;
+  if (ahead >= options_.limit_all_gathers) return;
+  gather(u, why);
+}
+
+void FullyShardedDataParallel::Impl::begin_forward() {
+  if (t_active != nullptr && t_active != this) {
+    throw InvalidArgument(ctx("forward"), "another FSDP forward is running on this thread");
+  }
+  t_active = this;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.clear();
+    stats_ = StepStats{};
+  }
+  forward_order_.clear();
+  for (auto& u : units_) u.ran = false;
+  gather(units_[0], "");
+  wait_gathered(units_[0]);
+  if (options_.forward_prefetch && !recorded_order_.empty())
+    prefetch(recorded_order_[0], " (prefetch)");
+}
+
+at::Tensor FullyShardedDataParallel::Impl::unit_call(torch::nn::Module& module,
+                                                     const std::function<at::Tensor()>& fn) {
+  const int index = index_of(module);
+  if (index <= 0) return fn();
+  Unit& u = units_[index];
+  const size_t position = forward_order_.size();
+  if (!recorded_order_.empty() &&
+      (position >= recorded_order_.size() || recorded_order_[position] != index)) {
+    throw InvalidArgument(
+        ctx("forward"),
+        fmt::format("unit execution order changed: unit #{} of this forward is '{}', the first "
+                    "iteration ran '{}' there; FSDP needs the same order every iteration",
+                    position, u.name,
+                    position < recorded_order_.size() ? units_[recorded_order_[position]].name
+                                                      : "nothing"));
+  }
+  forward_order_.push_back(index);
+  u.ran = true;
+  gather(u, "");
+  wait_gathered(u);
+  if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
+    prefetch(recorded_order_[position + 1], " (prefetch)");
+  }
+  at::Tensor out = fn();
+  if (frees_after_forward()) release(u);
+  if (out.defined() && out.requires_grad()) {
+    std::weak_ptr<Impl*> weak = token_;
+    out.register_hook([weak, index](const at::Tensor&) {
+      if (auto self = weak.lock()) (*self)->pre_backward(index);
+    });
+  }
+  return out;
+}
+
+void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
+  t_active = nullptr;
+  if (recorded_order_.empty()) {
+    for (size_t k = 1; k < units_.size(); ++k) {
+      if (!units_[k].ran) {
+        throw InvalidArgument(ctx("forward"),
+                              fmt::format("unit '{}' was never run through dtrain::unit_call; "
+                                          "wrap its forward call or change the wrap policy",
+                                          units_[k].name));
+      }
+    }
+    // Every rank must run units in the same order: compare a digest of it.
+    int64_t digest = 1469598103934665603LL;
+    for (int i : forward_order_) digest = (digest ^ i) * 1099511628211LL;
+    const int world = comm_->world_size();
+    at::Tensor mine = at::full({1}, digest, at::kLong);
+    at::Tensor all = at::empty({world}, at::kLong);
+    comm_->all_gather(all, mine)->wait();
+    for (int r = 0; r < world; ++r) {
+      if (all[r].item<int64_t>() != digest) {
+        throw InvalidArgument(ctx("forward"),
+                              fmt::format("units ran in a different order on rank {}", r));
+      }
+    }
+    recorded_order_ = forward_order_;
+    for (int i : recorded_order_) order_names_.push_back(units_[i].name);
+  }
+  // Gradients reduce in reverse execution order, the root (whose parameters, e.g. input
+  // embeddings, finish last) at the end.
+  reduce_order_.assign(recorded_order_.rbegin(), recorded_order_.rend());
+  reduce_order_.push_back(0);
+}
+
+void FullyShardedDataParallel::Impl::pre_backward(int index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) return;
+  Unit& u = units_[index];
+  gather(u, "");
+  // Backward runs units in reverse forward order: the next one to need its parameters
+  // is the unit before this one in the forward order.
+  int next = -1;
+  for (size_t k = 0; k < recorded_order_.size(); ++k) {
+    if (recorded_order_[k] == index && k > 0) next = recorded_order_[k - 1];
+  }
+  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch(next, " (prefetch)");
+  wait_gathered(u);
+}
+
+void FullyShardedDataParallel::Impl::on_grad_ready(int index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) return;
+  Unit& u = units_[index];
+  if (--u.pending == 0) launch_ready_reductions();
+}
+
+void FullyShardedDataParallel::Impl::launch_ready_reductions() {
+  // Strictly in the agreed order, so every rank issues the same collectives in the same order.
+  while (next_reduce_ < reduce_order_.size() && units_[reduce_order_[next_reduce_]].pending <= 0) {
+    Unit& u = units_[reduce_order_[next_reduce_++]];
+    launch_reduction(u);
+    if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
+        next_reduce_ < reduce_order_.size()) {
+      prefetch(reduce_order_[next_reduce_], " (prefetch)");
+    }
+  }
+}
+
+void FullyShardedDataParallel::Impl::launch_reduction(Unit& u) {
+  c10::NoGradGuard no_grad;
+  if (next_reduce_ == 1) first_reduce_ = Clock::now();
+  u.reduce_launched = true;
+  at::Tensor flat = at::zeros({u.padded}, u.full.options().dtype(reduce_dtype_));
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    at::Tensor& p = u.params[i];
+    if (p.grad().defined()) flat.narrow(0, u.offsets[i], p.numel()).copy_(p.grad().reshape({-1}));
+    p.mutable_grad().reset();  // the unsharded gradient is not kept
+  }
+  // The unit's backward is over (all its gradients arrived): its parameters can go.
+  release(u);
+  if (shard_comm_) {
+    u.reduce_out = at::empty({u.shard_numel}, flat.options());
+    u.reduce_work = shard_comm_->reduce_scatter(u.reduce_out, flat, ReduceOp::kAvg);
+    stats_.bytes_communicated += static_cast<int64_t>(flat.nbytes());
+    stats_.num_collectives += 1;
+    record("reduce_scatter:" + u.name);
+  } else {
+    u.reduce_out = flat;
+  }
+}
+
+void FullyShardedDataParallel::Impl::finish_reduction(Unit& u) {
+  c10::NoGradGuard no_grad;
+  if (u.reduce_work) u.reduce_work->wait();
+  u.reduce_work.reset();
+  if (replicate_comm_) {
+    replicate_comm_->all_reduce(u.reduce_out, ReduceOp::kAvg)->wait();
+    stats_.bytes_communicated += static_cast<int64_t>(u.reduce_out.nbytes());
+    stats_.num_collectives += 1;
+    record("all_reduce:" + u.name);
+  }
+  at::Tensor g = u.reduce_out.to(at::kFloat);
+  if (u.shard.grad().defined()) {
+    u.shard.mutable_grad().add_(g);
+  } else {
+    u.shard.mutable_grad() = g.clone();
+  }
+  u.reduce_out = at::Tensor();
+}
+
+void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
+  if (reduce_order_.empty()) {
+    throw InvalidArgument(ctx("backward"), "backward() before any forward() through the strategy");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    next_reduce_ = 0;
+    for (auto& u : units_) {
+      u.pending = static_cast<int>(u.params.size());
+      u.reduce_launched = false;
+    }
+    armed_ = true;
+  }
+  loss.backward();
+  std::lock_guard<std::mutex> lock(mu_);
+  armed_ = false;
+  // Units whose parameters got no gradient (or no parameters at all) reduce now, in order.
+  for (auto& u : units_) u.pending = 0;
+  launch_ready_reductions();
+  const auto wait_start = Clock::now();
+  for (int index : reduce_order_) finish_reduction(units_[index]);
+  const auto done = Clock::now();
+  stats_.comm_wait_s += std::chrono::duration<double>(done - wait_start).count();
+  stats_.comm_total_s = std::chrono::duration<double>(done - first_reduce_).count();
+  for (auto& u : units_) release(u);  // includes prefetched-but-unused units
+  ++iteration_;
+}
+
+double FullyShardedDataParallel::Impl::grad_norm() {
+  double sq = 0;
+  for (const auto& u : units_) {
+    if (u.shard.grad().defined()) sq += u.shard.grad().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  if (shard_comm_) {
+    // Shards are disjoint and padding holds zeros: the global sum is the sum of the parts.
+    at::Tensor t = at::full({1}, sq, at::kDouble);
+    shard_comm_->all_reduce(t, ReduceOp::kSum)->wait();
+    sq = t.item<double>();
+  }
+  return std::sqrt(sq);
+}
+
+int64_t FullyShardedDataParallel::Impl::model_state_bytes(
+    const std::vector<at::Tensor>& optimizer_state) {
+  std::vector<at::Tensor> all = optimizer_state;
+  for (const auto& u : units_) {
+    all.push_back(u.shard);
+    all.push_back(u.shard.grad());
+    all.push_back(u.full);
+    for (const auto& p : u.params) all.push_back(p.grad());
+  }
+  return tensor_bytes(all);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::full_state_dict() {
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& u : units_) {
+    // Gather the fp32 master shards (not the compute-dtype copy) so nothing is rounded.
+    at::Tensor flat = at::empty({u.padded}, u.shard.options().requires_grad(false));
+    if (shard_comm_) {
+      shard_comm_->all_gather(flat, u.shard.detach())->wait();
+    } else {
+      flat.copy_(u.shard.detach());
+    }
+    if (comm_->rank() != 0) continue;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      out.emplace_back(
+          u.param_names[i],
+          flat.narrow(0, u.offsets[i], u.params[i].numel()).view(u.params[i].sizes()).clone());
+    }
+  }
+  if (comm_->rank() == 0) {
+    for (const auto& item : module_->named_buffers(true))
+      out.emplace_back(item.key(), item.value().clone());
+    // Module order, as torch::nn::Module::named_parameters lists them.
+    std::map<std::string, size_t> position;
+    size_t k = 0;
+    for (const auto& item : module_->named_parameters(true)) position[item.key()] = k++;
+    for (const auto& item : module_->named_buffers(true)) position[item.key()] = k++;
+    std::stable_sort(out.begin(), out.end(), [&](const auto& a, const auto& b) {
+      return position[a.first] < position[b.first];
+    });
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>>
+FullyShardedDataParallel::Impl::sharded_state_dict() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& u : units_) {
+    out.emplace_back(u.name + ".flat_shard", u.shard.detach().clone());
+    // [shard rank, shard group size, unpadded numel, padded numel]: enough to reassemble
+    // the flat buffer and re-shard it for another world size.
+    out.emplace_back(
+        u.name + ".flat_meta",
+        at::tensor({int64_t{shard_rank_}, int64_t{shard_size_}, u.numel, u.padded}, at::kLong));
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      out.emplace_back(u.name + ".param." + u.param_names[i],
+                       at::tensor({u.offsets[i], u.params[i].numel()}, at::kLong));
+    }
+  }
+  return out;
+}
+
+// --- public wrapper ---
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                   CommunicatorPtr comm, FsdpOptions options)
+    : impl_(std::make_unique<Impl>(std::move(module), std::move(comm), std::move(options))) {}
+FullyShardedDataParallel::~FullyShardedDataParallel() = default;
+
+void FullyShardedDataParallel::begin_forward() { impl_->begin_forward(); }
+void FullyShardedDataParallel::end_forward(at::Tensor& output) { impl_->end_forward(output); }
+void FullyShardedDataParallel::backward(const at::Tensor& loss) { impl_->backward(loss); }
+std::vector<at::Tensor> FullyShardedDataParallel::parameters() { return impl_->shards_; }
+double FullyShardedDataParallel::grad_norm() { return impl_->grad_norm(); }
+int64_t FullyShardedDataParallel::model_state_bytes(
+    const std::vector<at::Tensor>& optimizer_state) {
+  return impl_->model_state_bytes(optimizer_state);
+}
+const StepStats& FullyShardedDataParallel::last_step_stats() const { return impl_->stats_; }
+int FullyShardedDataParallel::rank() const { return impl_->comm_->rank(); }
+int FullyShardedDataParallel::world_size() const { return impl_->comm_->world_size(); }
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_state_dict() {
+  return impl_->full_state_dict();
+}
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::sharded_state_dict() {
+  return impl_->sharded_state_dict();
+}
+std::vector<std::string> FullyShardedDataParallel::last_collective_log() const {
+  std::lock_guard<std::mutex> lock(impl_->mu_);
+  return impl_->log_;
+}
+std::vector<std::string> FullyShardedDataParallel::unit_order() const {
+  return impl_->order_names_;
+}
+
+at::Tensor unit_call(torch::nn::Module& module, const std::function<at::Tensor()>& fn) {
+  if (t_active == nullptr) return fn();
+  return t_active->unit_call(module, fn);
+}
+
+}  // namespace dtrain

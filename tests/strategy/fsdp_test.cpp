@@ -1,0 +1,323 @@
+// FullyShardedDataParallel against the reference: N ranks (threads, Gloo over loopback)
+// training on their slices of the global batch must reach the parameters SingleDevice
+// reaches on the whole batch, for every sharding strategy and prefetch policy.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <thread>
+
+#include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/single_device.h"
+#include "strategy/training.h"
+#include "support/check.h"
+#include "support/ranks.h"
+
+namespace dtrain {
+namespace {
+
+using namespace dtrain::testing;
+
+// Blocks are units; each block's `up` projection is a unit nested inside its block.
+WrapPolicy blocks_and_nested_up() {
+  return [](const std::string& name, const torch::nn::Module& m) {
+    const bool is_up = name.size() >= 3 && name.compare(name.size() - 3, 3, ".up") == 0;
+    return m.name().find("BlockImpl") != std::string::npos || is_up;
+  };
+}
+
+struct FsdpCase {
+  std::string name;
+  ShardingStrategy sharding = ShardingStrategy::kFullShard;
+  BackwardPrefetch prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = false;
+  bool nested = true;
+  Opt opt = Opt::kSgd;
+  double clip = 0;
+  c10::optional<c10::ScalarType> param_dtype;
+  double rtol = 1e-5, atol = 1e-6;
+};
+
+// Runs `fn(rank, world_comm, groups)` on `world` threads; hybrid groups of `group_size`.
+void run_with_groups(int world, int group_size,
+                     const std::function<void(Communicator&, const HybridGroups&)>& fn) {
+  auto store = make_memory_store();
+  std::mutex mu;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto comm = make_communicator(store, r, world);
+        HybridGroups g;
+        if (group_size > 0) g = make_hybrid_groups(store, r, world, group_size);
+        fn(*comm, g);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+void expect_state_matches(const std::vector<std::pair<std::string, at::Tensor>>& state,
+                          const torch::nn::Module& ref, double rtol, double atol) {
+  auto want = ref.named_parameters();
+  size_t checked = 0;
+  for (const auto& [name, t] : state) {
+    if (!want.contains(name)) continue;
+    const at::Tensor& w = want[name];
+    DTRAIN_CHECK(t.sizes() == w.sizes(), "{}: shape", name);
+    DTRAIN_CHECK(at::allclose(t, w, rtol, atol),
+                 "parameter {} differs from single-device training: max |diff| {}", name,
+                 (t - w).abs().max().item<double>());
+    ++checked;
+  }
+  DTRAIN_CHECK(checked == want.size(), "full state dict has {} of {} parameters", checked,
+               want.size());
+}
+
+class FsdpEquivalence : public ::testing::TestWithParam<std::tuple<int, FsdpCase>> {};
+
+TEST_P(FsdpEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
+  const int world = std::get<0>(GetParam());
+  const FsdpCase fc = std::get<1>(GetParam());
+  at::set_num_threads(1);
+  Case c;
+  c.model = Model::kTransformer;
+  c.opt = fc.opt;
+  c.clip = fc.clip;
+  const auto data = make_data(c.model, world);
+  auto ref = make_model(c.model, 7);
+  SingleDevice single(ref);
+  train(c, single, *ref, data, 0, kLocalBatch * world, nullptr);
+
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (int r = 0; r < world; ++r) modules.push_back(make_model(c.model, r == 0 ? 7 : 100 + r));
+  const bool hybrid = fc.sharding == ShardingStrategy::kHybridShard;
+  run_with_groups(world, hybrid ? world / 2 : 0, [&](Communicator& comm, const HybridGroups& g) {
+    const int r = comm.rank();
+    FsdpOptions o;
+    o.sharding = fc.sharding;
+    o.backward_prefetch = fc.prefetch;
+    o.forward_prefetch = fc.forward_prefetch;
+    o.wrap_policy = fc.nested ? blocks_and_nested_up() : wrap_modules_named("BlockImpl");
+    o.mixed_precision.param_dtype = fc.param_dtype;
+    o.shard_group = g.shard_group;
+    o.replicate_group = g.replicate_group;
+    FullyShardedDataParallel fsdp(modules[r],
+                                  std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+    train(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, nullptr);
+    auto state = fsdp.full_state_dict();
+    if (r == 0) {
+      expect_state_matches(state, *ref, fc.rtol, fc.atol);
+    } else {
+      DTRAIN_CHECK(state.empty(), "full_state_dict is for rank 0 only");
+    }
+  });
+}
+
+std::vector<FsdpCase> fsdp_cases() {
+  auto make = [](std::string name, const std::function<void(FsdpCase&)>& set) {
+    FsdpCase c;
+    c.name = std::move(name);
+    set(c);
+    return c;
+  };
+  return {
+      make("full_shard_prefetch_pre", [](FsdpCase&) {}),
+      make("full_shard_prefetch_post",
+           [](FsdpCase& c) { c.prefetch = BackwardPrefetch::kBackwardPost; }),
+      make("full_shard_no_prefetch_forward_prefetch",
+           [](FsdpCase& c) {
+             c.prefetch = BackwardPrefetch::kNone;
+             c.forward_prefetch = true;
+           }),
+      make("full_shard_flat_units", [](FsdpCase& c) { c.nested = false; }),
+      make("shard_grad_op", [](FsdpCase& c) { c.sharding = ShardingStrategy::kShardGradOp; }),
+      make("no_shard", [](FsdpCase& c) { c.sharding = ShardingStrategy::kNoShard; }),
+      // Adam divides by sqrt(v): round-off is amplified, hence 1e-4 (see training.h's eps).
+      make("full_shard_adamw_clip",
+           [](FsdpCase& c) {
+             c.opt = Opt::kAdamW;
+             c.clip = 0.5;
+             c.rtol = 1e-4;
+             c.atol = 1e-5;
+           }),
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, FsdpEquivalence,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::ValuesIn(fsdp_cases())),
+                         [](const auto& info) {
+                           return std::get<1>(info.param).name + "_world" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
+FsdpCase hybrid_case() {
+  FsdpCase c;
+  c.name = "hybrid_2x2";
+  c.sharding = ShardingStrategy::kHybridShard;
+  return c;
+}
+INSTANTIATE_TEST_SUITE_P(Hybrid, FsdpEquivalence,
+                         ::testing::Values(std::make_tuple(4, hybrid_case())),
+                         [](const auto&) { return std::string("hybrid_2x2_world4"); });
+
+FsdpCase bf16_case() {
+  FsdpCase c;
+  c.name = "bf16_params";
+  c.param_dtype = at::kBFloat16;
+  // bf16 keeps 8 significant bits: forward and gradients round at ~4e-3 relative.
+  c.rtol = 5e-2;
+  c.atol = 2e-2;
+  return c;
+}
+INSTANTIATE_TEST_SUITE_P(MixedPrecision, FsdpEquivalence,
+                         ::testing::Values(std::make_tuple(2, bf16_case())),
+                         [](const auto&) { return std::string("bf16_params_world2"); });
+
+// One training step on `world` threads with `options`; returns rank 0's collective log.
+std::vector<std::string> step_log(int world, FsdpOptions options) {
+  at::set_num_threads(1);
+  const auto data = make_data(Model::kTransformer, world);
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (int r = 0; r < world; ++r) modules.push_back(make_model(Model::kTransformer, 7));
+  std::vector<std::string> log;
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    FullyShardedDataParallel fsdp(
+        modules[r], std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), options);
+    Case c;
+    c.model = Model::kTransformer;
+    train(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, nullptr);
+    if (r == 0) log = fsdp.last_collective_log();
+  });
+  return log;
+}
+
+size_t position(const std::vector<std::string>& log, const std::string& entry) {
+  for (size_t i = 0; i < log.size(); ++i)
+    if (log[i] == entry) return i;
+  return std::string::npos;
+}
+
+size_t last_position(const std::vector<std::string>& log, const std::string& entry) {
+  for (size_t i = log.size(); i-- > 0;)
+    if (log[i] == entry) return i;
+  return std::string::npos;
+}
+
+TEST(FsdpPrefetch, PoliciesOrderCollectivesAsSpecified) {
+  FsdpOptions o;
+  o.wrap_policy = wrap_modules_named("BlockImpl");
+  // The model has blocks h0, h1: forward runs h0 then h1, backward h1 then h0.
+  o.backward_prefetch = BackwardPrefetch::kBackwardPre;
+  auto pre = step_log(2, o);
+  // BACKWARD_PRE: h0 is gathered when h1's backward starts, before h1's gradient is reduced.
+  EXPECT_LT(position(pre, "all_gather:h0 (prefetch)"), position(pre, "reduce_scatter:h1"))
+      << fmt::format("{}", fmt::join(pre, ", "));
+
+  o.backward_prefetch = BackwardPrefetch::kBackwardPost;
+  auto post = step_log(2, o);
+  // BACKWARD_POST: h0 is gathered right after h1's reduce-scatter is issued.
+  const size_t rs = position(post, "reduce_scatter:h1");
+  ASSERT_NE(rs, std::string::npos) << fmt::format("{}", fmt::join(post, ", "));
+  EXPECT_EQ(position(post, "all_gather:h0 (prefetch)"), rs + 1)
+      << fmt::format("{}", fmt::join(post, ", "));
+
+  o.backward_prefetch = BackwardPrefetch::kNone;
+  auto none = step_log(2, o);
+  for (const auto& e : none) EXPECT_EQ(e.find("prefetch"), std::string::npos) << e;
+  // Without prefetch h0's backward gather (its last gather of the step) comes after h1's
+  // reduce-scatter, on demand.
+  EXPECT_LT(position(none, "reduce_scatter:h1"), last_position(none, "all_gather:h0"))
+      << fmt::format("{}", fmt::join(none, ", "));
+
+  o.forward_prefetch = true;
+  auto fwd = step_log(2, o);
+  EXPECT_NE(position(fwd, "all_gather:h1 (prefetch)"), std::string::npos)
+      << fmt::format("{}", fmt::join(fwd, ", "));
+}
+
+TEST(FsdpMemory, ModelStateIsAboutOneNthOfDataParallel) {
+  at::set_num_threads(1);
+  const int world = 4;
+  const auto data = make_data(Model::kTransformer, world);
+  std::vector<std::shared_ptr<torch::nn::Module>> ddp_modules, fsdp_modules;
+  for (int r = 0; r < world; ++r) {
+    ddp_modules.push_back(make_model(Model::kTransformer, 7));
+    fsdp_modules.push_back(make_model(Model::kTransformer, 7));
+  }
+  std::vector<int64_t> ddp_bytes(world), fsdp_bytes(world), fsdp_init(world), ddp_init(world);
+  auto adam_state = [](torch::optim::Optimizer& opt) {
+    std::vector<at::Tensor> out;
+    for (auto& kv : opt.state()) {
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*kv.second);
+      out.push_back(s.exp_avg());
+      out.push_back(s.exp_avg_sq());
+    }
+    return out;
+  };
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    auto borrowed = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
+    Case c;
+    c.model = Model::kTransformer;
+    c.opt = Opt::kAdamW;
+    DataParallel ddp(ddp_modules[r], borrowed);
+    ddp_init[r] = ddp.model_state_bytes();
+    FsdpOptions o;
+    o.wrap_policy = wrap_modules_named("BlockImpl");
+    FullyShardedDataParallel fsdp(fsdp_modules[r], borrowed, o);
+    fsdp_init[r] = fsdp.model_state_bytes();
+    // Train both, then measure between steps with the optimizer state included.
+    for (int which = 0; which < 2; ++which) {
+      Strategy& s = which == 0 ? static_cast<Strategy&>(ddp) : static_cast<Strategy&>(fsdp);
+      auto& m = which == 0 ? *ddp_modules[r] : *fsdp_modules[r];
+      auto opt = make_opt(Opt::kAdamW, s.parameters());
+      for (int step = 0; step < 2; ++step) {
+        opt->zero_grad();
+        at::Tensor x = data[step].x.narrow(0, r * kLocalBatch, kLocalBatch);
+        at::Tensor y = data[step].y.narrow(0, r * kLocalBatch, kLocalBatch);
+        at::Tensor l = s.forward([&] { return loss_of(c.model, m, x, y, false); });
+        s.backward(l);
+        opt->step();
+      }
+      (which == 0 ? ddp_bytes : fsdp_bytes)[r] = s.model_state_bytes(adam_state(*opt));
+    }
+  });
+  for (int r = 0; r < world; ++r) {
+    const double ratio = double(fsdp_bytes[r]) / double(ddp_bytes[r]);
+    // Shards are 1/4 of every unit's flat buffer, plus at most world-1 padding elements
+    // per unit: the ratio must be close to 1/4.
+    EXPECT_LT(ratio, 0.25 * 1.05) << "rank " << r << ": fsdp " << fsdp_bytes[r] << " B, ddp "
+                                  << ddp_bytes[r] << " B";
+    EXPECT_GT(ratio, 0.25 * 0.95) << "rank " << r;
+    EXPECT_LT(double(fsdp_init[r]) / double(ddp_init[r]), 0.25 * 1.05 + 0.01) << "rank " << r;
+  }
+}
+
+TEST(FsdpErrors, UnitNeverCalledThroughUnitCallIsReported) {
+  at::set_num_threads(1);
+  auto model = Mlp(6, 16, 4);
+  FsdpOptions o;
+  o.wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "fc2"; };
+  run_ranks(1, [&](Communicator& comm) {
+    FullyShardedDataParallel fsdp(model.ptr(),
+                                  std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+    try {
+      fsdp.forward([&] { return model->forward(at::randn({2, 6})).sum(); });
+      DTRAIN_CHECK(false, "expected an error for a unit never run through unit_call");
+    } catch (const InvalidArgument& e) {
+      DTRAIN_CHECK(std::string(e.what()).find("'fc2'") != std::string::npos, "{}", e.what());
+    }
+  });
+}
+
+}  // namespace
+}  // namespace dtrain
