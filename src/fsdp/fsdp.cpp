@@ -217,9 +217,18 @@ void FullyShardedDataParallel::Impl::build_units() {
     for (size_t i = 0; i < u.params.size(); ++i) {
       flat32.narrow(0, u.offsets[i], u.params[i].numel()).copy_(u.params[i].reshape({-1}));
     }
-    u.shard = flat32.narrow(0, shard_rank_ * u.shard_numel, u.shard_numel).clone();
+    if (!sharded() && param_dtype_ == at::kFloat) {
+      // Unsharded fp32: the master copy and the module's parameters can be the same memory
+      // (the optimizer's update is then visible without a copy); keeping two would cost
+      // more than DataParallel.
+      u.full = flat32;
+      u.shard = at::empty({0}, flat32.options());
+      u.shard.set_(flat32.storage(), 0, {u.padded}, {1});
+    } else {
+      u.shard = flat32.narrow(0, shard_rank_ * u.shard_numel, u.shard_numel).clone();
+      u.full = flat32.to(param_dtype_).clone();  // a storage of its own
+    }
     u.shard.requires_grad_(true);
-    u.full = flat32.to(param_dtype_).clone();  // a storage of its own
     for (size_t i = 0; i < u.params.size(); ++i) {
       at::Tensor& p = u.params[i];
       p.set_data(u.full.narrow(0, u.offsets[i], p.numel()).view(p.sizes()));
@@ -251,7 +260,9 @@ void FullyShardedDataParallel::Impl::gather(Unit& u, const char* why) {
   }
   at::Tensor input = u.shard.detach().to(param_dtype_);
   if (!shard_comm_) {
-    std::memcpy(u.full.data_ptr(), input.data_ptr(), input.nbytes());
+    if (u.full.data_ptr() != input.data_ptr()) {
+      std::memcpy(u.full.data_ptr(), input.data_ptr(), input.nbytes());
+    }
     u.gathered = true;
   } else {
     u.gather_input = input;

@@ -1,0 +1,107 @@
+#include "metrics.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "dtrain/errors.h"
+
+namespace gpt2 {
+namespace {
+
+std::string number(double v) {
+  if (!std::isfinite(v)) return "null";
+  return fmt::format("{:.6g}", v);
+}
+
+std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out += fmt::format("\\u{:04x}", static_cast<int>(c));
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+double peak_rss_mib() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  double kib = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::strncmp(line, "VmHWM:", 6) == 0) {
+      kib = std::strtod(line + 6, nullptr);
+      break;
+    }
+  }
+  std::fclose(f);
+  return kib < 0 ? -1 : kib / 1024.0;
+}
+
+void JsonLine::key(const std::string& k) {
+  if (!body_.empty()) body_ += ", ";
+  body_ += quoted(k) + ": ";
+}
+
+JsonLine& JsonLine::add(const std::string& k, double value) {
+  key(k);
+  body_ += number(value);
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& k, int64_t value) {
+  key(k);
+  body_ += std::to_string(value);
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& k, const std::string& value) {
+  key(k);
+  body_ += quoted(value);
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& k, std::optional<double> value) {
+  key(k);
+  body_ += value ? number(*value) : "null";
+  return *this;
+}
+
+JsonLine& JsonLine::add(const std::string& k, const std::vector<double>& values) {
+  key(k);
+  body_ += "[";
+  for (size_t i = 0; i < values.size(); ++i) body_ += (i ? ", " : "") + number(values[i]);
+  body_ += "]";
+  return *this;
+}
+
+MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, std::ios::trunc) {
+  if (!out_) throw dtrain::Error("cannot write metrics file " + path);
+}
+
+void MetricsWriter::write(const JsonLine& line) {
+  out_ << line.str() << '\n';
+  out_.flush();
+  if (!out_) throw dtrain::Error("writing metrics file " + path_ + " failed");
+}
+
+}  // namespace gpt2

@@ -1,0 +1,164 @@
+#include "model.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+
+#include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
+
+namespace gpt2 {
+namespace {
+
+torch::nn::LayerNorm layer_norm(int64_t dim) {
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5));
+}
+
+}  // namespace
+
+void GptConfig::validate() const {
+  if (vocab_size <= 0 || context <= 0 || layers <= 0 || heads <= 0 || dim <= 0) {
+    throw dtrain::InvalidArgument("GPT config: every dimension must be positive, got " +
+                                  to_string());
+  }
+  if (dim % heads != 0) {
+    throw dtrain::InvalidArgument(
+        fmt::format("GPT config: dim {} is not a multiple of heads {}", dim, heads));
+  }
+}
+
+std::string GptConfig::to_string() const {
+  return fmt::format("layers={} heads={} dim={} context={} vocab={}", layers, heads, dim, context,
+                     vocab_size);
+}
+
+GptConfig preset(const std::string& name) {
+  GptConfig c;
+  if (name == "tiny") {
+    c.layers = 4, c.heads = 4, c.dim = 256, c.context = 128;
+  } else if (name == "paper-27m") {
+    c.layers = 6, c.heads = 6, c.dim = 360, c.context = 256;
+  } else if (name == "gpt2") {
+    c.layers = 12, c.heads = 12, c.dim = 768, c.context = 1024;
+  } else {
+    throw dtrain::InvalidArgument(fmt::format("unknown model preset '{}' (one of: {})", name,
+                                              fmt::join(preset_names(), ", ")));
+  }
+  return c;
+}
+
+std::vector<std::string> preset_names() { return {"tiny", "paper-27m", "gpt2"}; }
+
+int64_t count_parameters(const GptConfig& c) {
+  const int64_t d = c.dim;
+  const int64_t block = 2 * 2 * d            // ln_1, ln_2
+                        + d * 3 * d + 3 * d  // c_attn
+                        + d * d + d          // attn.c_proj
+                        + d * 4 * d + 4 * d  // c_fc
+                        + 4 * d * d + d;     // mlp.c_proj
+  return c.vocab_size * d + c.context * d + c.layers * block + 2 * d;
+}
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t heads)
+    : heads(heads),
+      c_attn(register_module("c_attn", torch::nn::Linear(dim, 3 * dim))),
+      c_proj(register_module("c_proj", torch::nn::Linear(dim, dim))) {}
+
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
+  auto qkv = c_attn->forward(x).split(C, -1);
+  auto to_heads = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
+  at::Tensor q = to_heads(qkv[0]), k = to_heads(qkv[1]), v = to_heads(qkv[2]);
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
+  at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
+  att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
+  // Softmax in fp32 even when the model computes in bf16 (FSDP mixed precision).
+  att = at::softmax(att, -1, at::kFloat).to(v.scalar_type());
+  at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, C});
+  return c_proj->forward(y);
+}
+
+MlpImpl::MlpImpl(int64_t dim)
+    : c_fc(register_module("c_fc", torch::nn::Linear(dim, 4 * dim))),
+      c_proj(register_module("c_proj", torch::nn::Linear(4 * dim, dim))) {}
+
+at::Tensor MlpImpl::forward(const at::Tensor& x) {
+  return c_proj->forward(at::gelu(c_fc->forward(x), "tanh"));
+}
+
+BlockImpl::BlockImpl(int64_t dim, int64_t heads)
+    : ln_1(register_module("ln_1", layer_norm(dim))),
+      attn(register_module("attn", CausalSelfAttention(dim, heads))),
+      ln_2(register_module("ln_2", layer_norm(dim))),
+      mlp(register_module("mlp", Mlp(dim))) {}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x + attn->forward(ln_1->forward(x));
+  return h + mlp->forward(ln_2->forward(h));
+}
+
+GptImpl::GptImpl(const GptConfig& config)
+    : wte(nullptr), wpe(nullptr), h(nullptr), ln_f(nullptr), config_(config) {
+  config_.validate();
+  wte = register_module("wte", torch::nn::Embedding(config_.vocab_size, config_.dim));
+  wpe = register_module("wpe", torch::nn::Embedding(config_.context, config_.dim));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config_.layers; ++i) {
+    blocks.push_back(Block(config_.dim, config_.heads));
+    h->push_back(blocks.back());
+  }
+  ln_f = register_module("ln_f", layer_norm(config_.dim));
+  reset_parameters();
+}
+
+void GptImpl::reset_parameters() {
+  namespace init = torch::nn::init;
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.layers));
+  init::normal_(wte->weight, 0.0, 0.02);
+  init::normal_(wpe->weight, 0.0, 0.02);
+  auto linear = [](torch::nn::Linear& l, double std) {
+    init::normal_(l->weight, 0.0, std);
+    init::zeros_(l->bias);
+  };
+  auto norm = [](torch::nn::LayerNorm& n) {
+    init::ones_(n->weight);
+    init::zeros_(n->bias);
+  };
+  for (auto& b : blocks) {
+    norm(b->ln_1);
+    norm(b->ln_2);
+    linear(b->attn->c_attn, 0.02);
+    linear(b->attn->c_proj, residual_std);
+    linear(b->mlp->c_fc, 0.02);
+    linear(b->mlp->c_proj, residual_std);
+  }
+  norm(ln_f);
+}
+
+at::Tensor GptImpl::forward(const at::Tensor& idx) {
+  const int64_t T = idx.size(1);
+  if (T > config_.context) {
+    throw dtrain::InvalidArgument(fmt::format(
+        "GPT forward: sequence of {} tokens exceeds the context {}", T, config_.context));
+  }
+  at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
+  at::Tensor x = wte->forward(idx) + wpe->forward(pos);
+  for (auto& block : blocks) {
+    // A no-op wrapper except under FSDP, where it gathers and frees the block's weights.
+    x = dtrain::unit_call(*block, [&] { return block->forward(x); });
+  }
+  // The LM head is the token embedding, transposed: no second parameter.
+  return at::linear(ln_f->forward(x), wte->weight);
+}
+
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  const int64_t V = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat), targets.reshape({-1}));
+}
+
+}  // namespace gpt2

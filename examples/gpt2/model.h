@@ -1,0 +1,111 @@
+// GPT-2 as a torch::nn module: token and learned position embeddings, pre-LayerNorm
+// transformer blocks (causal self-attention, GELU MLP), a final LayerNorm and an LM head
+// tied to the token embedding. Parameter names follow OpenAI's / Hugging Face's GPT-2
+// ("wte", "wpe", "h.0.attn.c_attn", "h.0.mlp.c_fc", ..., "ln_f").
+//
+// Each block runs through dtrain::unit_call, so FullyShardedDataParallel with
+// wrap_modules_named("BlockImpl") makes every block a unit; under every other strategy the
+// call is a plain forward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpt2 {
+
+struct GptConfig {
+  int64_t vocab_size = 50257;
+  int64_t context = 1024;  // longest sequence (rows of the position embedding)
+  int64_t layers = 12;
+  int64_t heads = 12;
+  int64_t dim = 768;  // embedding width; a multiple of heads
+
+  // Throws dtrain::InvalidArgument when a dimension is not positive or dim % heads != 0.
+  void validate() const;
+  std::string to_string() const;
+};
+
+// Presets:
+//   "tiny"      4 layers,  4 heads, dim 256, context  128: 16.1M parameters
+//   "paper-27m" 6 layers,  6 heads, dim 360, context  256: 27.5M parameters (the size of the
+//               GPT-2 in the custom-FSDP report, 27.32M)
+//   "gpt2"     12 layers, 12 heads, dim 768, context 1024: 124.4M parameters (GPT-2 small)
+// all with the GPT-2 vocabulary (50257). Throws dtrain::InvalidArgument for another name.
+GptConfig preset(const std::string& name);
+std::vector<std::string> preset_names();
+
+// Parameters of a model with `config`, without building it (the tied head counts once).
+int64_t count_parameters(const GptConfig& config);
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  CausalSelfAttentionImpl(int64_t dim, int64_t heads);
+  // x: [B, T, dim] -> [B, T, dim]; position t attends to positions <= t.
+  at::Tensor forward(const at::Tensor& x);
+
+  int64_t heads;
+  torch::nn::Linear c_attn;  // q, k, v projections in one matrix: dim -> 3 * dim
+  torch::nn::Linear c_proj;  // output (residual) projection
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int64_t dim);
+  at::Tensor forward(const at::Tensor& x);  // c_proj(gelu_tanh(c_fc(x)))
+
+  torch::nn::Linear c_fc;    // dim -> 4 * dim
+  torch::nn::Linear c_proj;  // 4 * dim -> dim (residual projection)
+};
+TORCH_MODULE(Mlp);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t dim, int64_t heads);
+  at::Tensor forward(const at::Tensor& x);  // x + attn(ln_1(x)), then + mlp(ln_2(.))
+
+  torch::nn::LayerNorm ln_1;
+  CausalSelfAttention attn;
+  torch::nn::LayerNorm ln_2;
+  Mlp mlp;
+};
+TORCH_MODULE(Block);
+
+struct GptImpl : torch::nn::Module {
+  // Builds the model and applies GPT-2's initialization (see reset_parameters), drawing
+  // from LibTorch's default generator: seed it (at::manual_seed) for reproducible weights.
+  explicit GptImpl(const GptConfig& config);
+
+  // idx: int64 token ids [B, T] with T <= context. Returns logits [B, T, vocab_size] in the
+  // parameters' dtype.
+  at::Tensor forward(const at::Tensor& idx);
+
+  // GPT-2's initialization: Linear and Embedding weights ~ N(0, 0.02), the residual
+  // projections (attn.c_proj, mlp.c_proj) ~ N(0, 0.02 / sqrt(2 * layers)), biases 0,
+  // LayerNorm weight 1 and bias 0.
+  void reset_parameters();
+
+  const GptConfig& config() const { return config_; }
+
+  torch::nn::Embedding wte;  // also the LM head's weight (tied)
+  torch::nn::Embedding wpe;
+  torch::nn::ModuleList h;  // the blocks, registered as h.0, h.1, ...
+  torch::nn::LayerNorm ln_f;
+  std::vector<Block> blocks;  // typed handles of h's entries
+
+ private:
+  GptConfig config_;
+};
+TORCH_MODULE(Gpt);
+
+// Mean cross-entropy of `logits` [B, T, V] against `targets` [B, T], computed in fp32
+// whatever the logits' dtype.
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+}  // namespace gpt2

@@ -1,0 +1,123 @@
+// Tests of the GPT-2 module: sizes of the presets, the tied head, causality and GPT-2's
+// initialization.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "model.h"
+
+namespace gpt2 {
+namespace {
+
+GptConfig small() {
+  GptConfig c;
+  c.vocab_size = 61;
+  c.context = 16;
+  c.layers = 2;
+  c.heads = 2;
+  c.dim = 32;
+  return c;
+}
+
+int64_t numel_of_parameters(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+TEST(GptModel, PresetSizes) {
+  EXPECT_EQ(count_parameters(preset("gpt2")), 124439808);  // GPT-2 small, as published
+  const int64_t tiny = count_parameters(preset("tiny"));
+  EXPECT_NEAR(static_cast<double>(tiny), 16.1e6, 0.1e6);
+  EXPECT_NEAR(static_cast<double>(count_parameters(preset("paper-27m"))), 27.3e6, 0.3e6);
+  at::manual_seed(0);
+  Gpt model(preset("tiny"));
+  EXPECT_EQ(numel_of_parameters(*model), tiny);
+  EXPECT_THROW(preset("huge"), std::exception);
+}
+
+TEST(GptModel, HeadIsTiedToTokenEmbedding) {
+  at::manual_seed(0);
+  Gpt model(small());
+  for (const auto& item : model->named_parameters()) {
+    EXPECT_EQ(item.key().find("head"), std::string::npos) << item.key();
+  }
+  EXPECT_EQ(numel_of_parameters(*model), count_parameters(small()));
+  // Zeroing the embedding zeroes the logits: the head reads the same tensor.
+  {
+    c10::NoGradGuard no_grad;
+    model->wte->weight.zero_();
+  }
+  at::Tensor logits = model->forward(at::zeros({1, 4}, at::kLong));
+  EXPECT_EQ(logits.abs().max().item<double>(), 0.0);
+}
+
+TEST(GptModel, OutputShapeAndInitialLoss) {
+  at::manual_seed(1);
+  Gpt model(small());
+  at::Tensor idx = at::randint(61, {3, 16}, at::kLong);
+  at::Tensor logits = model->forward(idx);
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 16, 61}));
+  // Small initial weights: close to the uniform prediction's loss, ln(V), for targets
+  // unrelated to the inputs (with the tied head, a token's own id scores higher).
+  at::Tensor targets = at::randint(61, {3, 16}, at::kLong);
+  EXPECT_NEAR(lm_loss(logits, targets).item<double>(), std::log(61.0), 0.3);
+  EXPECT_THROW(model->forward(at::zeros({1, 17}, at::kLong)), std::exception);
+}
+
+TEST(GptModel, AttentionIsCausal) {
+  at::manual_seed(2);
+  Gpt model(small());
+  c10::NoGradGuard no_grad;
+  at::Tensor a = at::randint(61, {2, 12}, at::kLong);
+  at::Tensor b = a.clone();
+  b.select(1, 7).fill_(0);
+  b.select(1, 11).fill_(1);
+  at::Tensor la = model->forward(a), lb = model->forward(b);
+  EXPECT_TRUE(at::allclose(la.narrow(1, 0, 7), lb.narrow(1, 0, 7), 1e-5, 1e-6));
+  EXPECT_FALSE(at::allclose(la.narrow(1, 7, 1), lb.narrow(1, 7, 1), 1e-5, 1e-6));
+}
+
+TEST(GptModel, Gpt2Initialization) {
+  GptConfig c = small();
+  c.dim = 256;
+  c.heads = 4;
+  c.layers = 8;
+  at::manual_seed(3);
+  Gpt model(c);
+  auto std_of = [](const at::Tensor& t) { return t.std().item<double>(); };
+  EXPECT_NEAR(std_of(model->wte->weight), 0.02, 0.002);
+  EXPECT_NEAR(std_of(model->wpe->weight), 0.02, 0.004);
+  const double residual = 0.02 / std::sqrt(2.0 * 8);
+  for (auto& block : model->blocks) {
+    EXPECT_NEAR(std_of(block->attn->c_attn->weight), 0.02, 0.001);
+    EXPECT_NEAR(std_of(block->mlp->c_fc->weight), 0.02, 0.001);
+    EXPECT_NEAR(std_of(block->attn->c_proj->weight), residual, residual * 0.05);
+    EXPECT_NEAR(std_of(block->mlp->c_proj->weight), residual, residual * 0.05);
+    EXPECT_EQ(block->attn->c_attn->bias.abs().max().item<double>(), 0.0);
+    EXPECT_EQ(block->mlp->c_proj->bias.abs().max().item<double>(), 0.0);
+    EXPECT_TRUE(at::equal(block->ln_1->weight, at::ones_like(block->ln_1->weight)));
+    EXPECT_EQ(block->ln_2->bias.abs().max().item<double>(), 0.0);
+  }
+}
+
+TEST(GptModel, BlocksAreNamedLikeGpt2) {
+  at::manual_seed(0);
+  Gpt model(small());
+  auto params = model->named_parameters();
+  for (const char* name : {"wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.1.attn.c_attn.weight",
+                           "h.1.attn.c_proj.bias", "h.0.mlp.c_fc.weight", "ln_f.bias"}) {
+    EXPECT_NE(params.find(name), nullptr) << name;
+  }
+  // FSDP's wrap_modules_named("BlockImpl") must find exactly the blocks.
+  int blocks = 0;
+  for (const auto& m : model->modules(/*include_self=*/false)) {
+    if (m->name().find("BlockImpl") != std::string::npos) ++blocks;
+  }
+  EXPECT_EQ(blocks, 2);
+}
+
+}  // namespace
+}  // namespace gpt2

@@ -1,0 +1,249 @@
+// gpt2_train end to end, as separate processes: distributed runs (2 ranks started by
+// --nproc) must follow single-device training on the same global batch step by step, and
+// failures must be reported with the failing rank.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+extern char** environ;
+
+namespace gpt2 {
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+  std::vector<std::map<std::string, double>> steps, epochs;
+};
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + fmt::format("gpt2_train_test_{}_{}", getpid(), name);
+}
+
+// Numeric fields of one JSON line of the trainer (flat objects; strings and arrays skipped).
+std::map<std::string, double> numbers_of(const std::string& line) {
+  static const std::regex field(R"re("([a-z_]+)": (-?[0-9.eE+-]+|null))re");
+  std::map<std::string, double> out;
+  for (auto it = std::sregex_iterator(line.begin(), line.end(), field);
+       it != std::sregex_iterator(); ++it) {
+    const std::string v = (*it)[2];
+    out[(*it)[1]] = v == "null" ? std::nan("") : std::stod(v);
+  }
+  return out;
+}
+
+// Runs gpt2_train with `args` plus --metrics_out, waits, and parses its metrics.
+RunResult run_trainer(const std::string& name, std::vector<std::string> args) {
+  const std::string metrics = temp_path(name + ".jsonl"), log = temp_path(name + ".log");
+  std::remove(metrics.c_str());
+  args.insert(args.begin(), GPT2_TRAIN_BIN);
+  args.push_back("--metrics_out=" + metrics);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  RunResult r;
+  if (rc != 0) {
+    r.output = "posix_spawn failed";
+    return r;
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::stringstream ss;
+  ss << std::ifstream(log).rdbuf();
+  r.output = ss.str();
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"kind\": \"step\"") != std::string::npos) r.steps.push_back(numbers_of(line));
+    if (line.find("\"kind\": \"epoch\"") != std::string::npos) r.epochs.push_back(numbers_of(line));
+  }
+  std::remove(metrics.c_str());
+  std::remove(log.c_str());
+  return r;
+}
+
+// A small text with structure for the loss to learn, written once per test process and
+// removed (with its token cache) at exit.
+class Corpus {
+ public:
+  Corpus() : path_(temp_path("corpus.txt")) {
+    std::ofstream out(path_, std::ios::trunc);
+    const char* words[] = {"union", "state", "congress", "people", "nation", "peace", "law"};
+    for (int i = 0; i < 800; ++i) {
+      out << "the " << words[i % 7] << " of the " << words[(i * 3 + 1) % 7] << " is "
+          << words[(i * 5 + 2) % 7] << ".\n";
+    }
+  }
+  ~Corpus() {
+    std::remove(path_.c_str());
+    std::remove((path_ + ".byte.tokens").c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string corpus() {
+  static const Corpus corpus;
+  return corpus.path();
+}
+
+// A model small enough for a few seconds per run, byte vocabulary, no files from data/.
+std::vector<std::string> common_args() {
+  return {"--data=" + corpus(), "--tokenizer=byte", "--max_tokens=20000", "--layers=2",
+          "--heads=2",          "--dim=64",         "--ctx=32",           "--steps=6",
+          "--warmup_steps=2",   "--lr=3e-3",        "--seed=7",           "--val_batches=2",
+          "--sample_tokens=0",  "--timeout_s=60",   "--threads=1"};
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+// Per-step loss and gradient norm of `got` within a relative tolerance of `want`.
+void expect_same_curve(const RunResult& want, const RunResult& got, double rtol) {
+  ASSERT_EQ(want.exit_code, 0) << want.output;
+  ASSERT_EQ(got.exit_code, 0) << got.output;
+  ASSERT_EQ(want.steps.size(), 6u) << want.output;
+  ASSERT_EQ(got.steps.size(), want.steps.size()) << got.output;
+  for (size_t i = 0; i < want.steps.size(); ++i) {
+    for (const char* key : {"loss", "grad_norm"}) {
+      const double a = want.steps[i].at(key), b = got.steps[i].at(key);
+      EXPECT_NEAR(b, a, rtol * std::abs(a)) << key << " at step " << i + 1;
+    }
+  }
+  // The loss must actually move, or the comparison proves little.
+  EXPECT_LT(want.steps.back().at("loss"), want.steps.front().at("loss") - 0.05);
+}
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // Global batch of 4 sequences: single with --batch 4, two ranks with --batch 2.
+    single_ = new RunResult(
+        run_trainer("single", with(common_args(), {"--strategy=single", "--batch=4"})));
+  }
+  static void TearDownTestSuite() {
+    delete single_;
+    single_ = nullptr;
+  }
+  static RunResult* single_;
+};
+RunResult* TrainerTest::single_ = nullptr;
+
+// fp32 with a different summation order: differences stay near rounding.
+constexpr double kFp32Tolerance = 1e-4;
+
+TEST_F(TrainerTest, SingleWritesStepAndEpochMetrics) {
+  ASSERT_EQ(single_->exit_code, 0) << single_->output;
+  ASSERT_EQ(single_->steps.size(), 6u);
+  ASSERT_EQ(single_->epochs.size(), 1u);
+  for (const auto* line : {&single_->steps.back(), &single_->epochs.back()}) {
+    for (const char* key :
+         {"tokens_per_s", "step_time_s", "peak_rss_mib", "model_state_mib", "loss", "grad_norm",
+          "comm_wait_s", "step", "epoch", "rank", "world_size", "epoch_time_s", "val_loss"}) {
+      EXPECT_EQ(line->count(key), 1u) << key;
+    }
+    EXPECT_GT(line->at("tokens_per_s"), 0);
+    EXPECT_GT(line->at("peak_rss_mib"), 10);
+    EXPECT_GT(line->at("model_state_mib"), 0);
+    EXPECT_EQ(line->at("world_size"), 1);
+  }
+  EXPECT_GT(single_->epochs.back().at("epoch_time_s"), 0);
+  EXPECT_TRUE(std::isfinite(single_->epochs.back().at("val_loss")));
+  EXPECT_TRUE(std::isnan(single_->steps.front().at("epoch_time_s")));
+}
+
+TEST_F(TrainerTest, DdpMatchesSingleOnTheGlobalBatch) {
+  RunResult ddp =
+      run_trainer("ddp", with(common_args(), {"--strategy=ddp", "--nproc=2", "--batch=2"}));
+  expect_same_curve(*single_, ddp, kFp32Tolerance);
+  ASSERT_FALSE(ddp.steps.empty());
+  EXPECT_EQ(ddp.steps.back().at("world_size"), 2);
+}
+
+TEST_F(TrainerTest, DdpWithGradientAccumulationMatchesSingle) {
+  // 2 ranks x 2 micro-batches of 1 sequence = the same 4 sequences per step.
+  RunResult ddp = run_trainer("ddp_accum", with(common_args(), {"--strategy=ddp", "--nproc=2",
+                                                                "--batch=1", "--grad_accum=2"}));
+  RunResult single = run_trainer(
+      "single_accum", with(common_args(), {"--strategy=single", "--batch=2", "--grad_accum=2"}));
+  expect_same_curve(single, ddp, kFp32Tolerance);
+}
+
+TEST_F(TrainerTest, DdpParameterServerHookMatchesSingle) {
+  RunResult ps = run_trainer("ddp_ps", with(common_args(), {"--strategy=ddp", "--nproc=2",
+                                                            "--batch=2", "--comm_hook=ps"}));
+  expect_same_curve(*single_, ps, kFp32Tolerance);
+}
+
+TEST_F(TrainerTest, DdpBf16HookStaysClose) {
+  RunResult bf16 = run_trainer("ddp_bf16", with(common_args(), {"--strategy=ddp", "--nproc=2",
+                                                                "--batch=2", "--comm_hook=bf16"}));
+  expect_same_curve(*single_, bf16, 2e-2);
+}
+
+TEST_F(TrainerTest, FsdpMatchesSingleOnTheGlobalBatch) {
+  RunResult fsdp =
+      run_trainer("fsdp", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2"}));
+  expect_same_curve(*single_, fsdp, kFp32Tolerance);
+  // Sharded: each rank holds about half of DDP's parameters, gradients and Adam state.
+  ASSERT_FALSE(fsdp.steps.empty());
+  EXPECT_LT(fsdp.steps.back().at("model_state_mib"),
+            0.7 * single_->steps.back().at("model_state_mib"));
+}
+
+TEST_F(TrainerTest, FsdpGradOpMatchesSingle) {
+  RunResult fsdp = run_trainer(
+      "fsdp_grad_op",
+      with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--sharding=grad_op"}));
+  expect_same_curve(*single_, fsdp, kFp32Tolerance);
+}
+
+TEST_F(TrainerTest, FsdpBf16MixedPrecisionStaysClose) {
+  RunResult fsdp = run_trainer("fsdp_bf16", with(common_args(), {"--strategy=fsdp", "--nproc=2",
+                                                                 "--batch=2", "--precision=bf16"}));
+  expect_same_curve(*single_, fsdp, 5e-2);
+}
+
+TEST(TrainerErrors, FailingRankIsNamedAndExitIsNonZero) {
+  // Every rank rejects --strategy single in a world of 2; the parent names a failed rank.
+  RunResult r = run_trainer("fail", with(common_args(), {"--strategy=single", "--nproc=2"}));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("runs one rank"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("rank [01] .*exited with code 1")))
+      << r.output;
+}
+
+TEST(TrainerErrors, Bf16IsRefusedForDdp) {
+  RunResult r =
+      run_trainer("ddp_bf16_refused", with(common_args(), {"--strategy=ddp", "--precision=bf16"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("--strategy fsdp only"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace gpt2

@@ -1,0 +1,92 @@
+#!/bin/sh
+# dtrain-run's contract, checked with `sh -c` ranks: the rank variables, exit status, which
+# failed rank is named, stopping the other ranks, and signal forwarding.
+# Usage: dtrain_run_test.sh path/to/dtrain-run
+# The ranks' scripts are single-quoted on purpose: the variables expand in the ranks.
+# shellcheck disable=SC2016
+set -u
+run="$1"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  echo "--- stderr:" >&2
+  cat "$tmp/err" >&2
+  failures=$((failures + 1))
+}
+
+# expect_status WANT CMD...: runs CMD with stderr in $tmp/err; checks its exit status.
+expect_status() {
+  want="$1"
+  shift
+  "$@" 2>"$tmp/err"
+  got=$?
+  [ "$got" -eq "$want" ] || fail "'$*' exited $got, want $want"
+}
+
+expect_stderr() {
+  grep -q -- "$1" "$tmp/err" || fail "stderr lacks '$1'"
+}
+
+# 1. Every rank sees a consistent environment; all succeed -> 0.
+expect_status 0 "$run" --nproc_per_node 3 -- sh -c \
+  'test "$WORLD_SIZE" = 3 && test "$LOCAL_WORLD_SIZE" = 3 && test "$RANK" = "$LOCAL_RANK" &&
+   test "$RANK" -lt 3 && test "$MASTER_ADDR" = 127.0.0.1 && test "$MASTER_PORT" -gt 0'
+
+# 2. Ranks get distinct RANK values.
+"$run" --nproc_per_node 4 -- sh -c 'echo "$RANK" >"$0/rank$RANK"' "$tmp" 2>"$tmp/err" ||
+  fail "rank files run failed"
+set -- "$tmp"/rank*
+[ $# -eq 4 ] || fail "expected 4 distinct ranks, got: $*"
+
+# 3. Rank 1 exits 1 (exit $RANK): dtrain-run names it and exits non-zero.
+expect_status 1 "$run" --nproc_per_node 2 -- sh -c 'exit $((RANK))'
+expect_stderr "rank 1 (local rank 1, pid [0-9]*) exited with code 1"
+
+# 4. A failing rank stops a rank that would run for a long time, promptly.
+start=$(date +%s)
+expect_status 3 "$run" --nproc_per_node 2 -- sh -c \
+  'if [ "$RANK" = 1 ]; then sleep 0.2; exit 3; fi; exec sleep 60'
+expect_stderr "rank 1 .* exited with code 3"
+[ $(($(date +%s) - start)) -lt 20 ] || fail "rank 0 was not stopped promptly"
+
+# 5. A rank killed by a signal: 128 + signal, and the signal is named.
+expect_status 137 "$run" --nproc_per_node 2 -- sh -c \
+  'if [ "$RANK" = 0 ]; then kill -KILL $$; fi; exec sleep 60'
+expect_stderr "rank 0 .* was killed by signal 9"
+
+# 6. A rank that ignores SIGTERM is killed after the grace period.
+start=$(date +%s)
+expect_status 5 "$run" --nproc_per_node 2 --grace_s 1 -- sh -c \
+  'trap "" TERM; if [ "$RANK" = 1 ]; then exit 5; fi; i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'
+expect_stderr "sending SIGKILL"
+[ $(($(date +%s) - start)) -lt 20 ] || fail "the SIGTERM-ignoring rank was not killed"
+
+# 7. Several nodes: this node's ranks are node_rank * nproc_per_node + local rank.
+expect_status 0 "$run" --nnodes 2 --node_rank 1 --nproc_per_node 2 --master_port 29999 -- sh -c \
+  'test "$RANK" = $((LOCAL_RANK + 2)) && test "$WORLD_SIZE" = 4 && test "$MASTER_PORT" = 29999'
+
+# 8. SIGTERM to dtrain-run is forwarded; it exits 128 + 15.
+"$run" --nproc_per_node 2 -- sh -c 'exec sleep 60' 2>"$tmp/err" &
+pid=$!
+sleep 1
+kill -TERM "$pid"
+start=$(date +%s)
+wait "$pid"
+got=$?
+[ "$got" -eq 143 ] || fail "forwarded SIGTERM: exit $got, want 143"
+[ $(($(date +%s) - start)) -lt 10 ] || fail "ranks did not stop after a forwarded SIGTERM"
+
+# 9. Usage errors exit 2.
+expect_status 2 "$run" --nproc_per_node 0 -- true
+expect_status 2 "$run" --nproc_per_node 2
+expect_status 2 "$run" --bogus 1 -- true
+expect_status 0 "$run" --help >/dev/null
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures check(s) failed" >&2
+  exit 1
+fi
+echo "dtrain-run: all checks passed"
