@@ -3,10 +3,10 @@
 
 #include "dtrain/comm_hook.h"
 #include "dtrain/communicator.h"
-#include "dtrain/data_parallel.h"
-#include "dtrain/fsdp.h"
 #include "dtrain/config.h"
+#include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/rendezvous.h"
 #include "dtrain/single_device.h"
 #include "dtrain/store.h"
