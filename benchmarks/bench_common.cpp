@@ -27,6 +27,7 @@
 
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
+#include "launcher/local_ranks.h"
 
 extern char** environ;
 
@@ -45,27 +46,7 @@ class NullReporter : public benchmark::BenchmarkReporter {
   void ReportRuns(const std::vector<Run>&) override {}
 };
 
-// A TCP port that was free a moment ago. Below the kernel's ephemeral range (32768+), so
-// that a rank retrying to connect before the store listens cannot be handed that very
-// port as its source port and connect to itself.
-int free_port() {
-  int start = 20000 + static_cast<int>(getpid() % 6000) * 2;
-  for (int attempt = 0; attempt < 1000; ++attempt) {
-    int port = 20000 + (start - 20000 + attempt) % 12000;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) throw std::runtime_error("socket() failed");
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    close(fd);
-    if (ok) return port;
-  }
-  throw std::runtime_error("no free port in [20000, 32000)");
-}
+using launcher::free_port;
 
 bool starts_with(const std::string& s, const std::string& prefix) {
   return s.compare(0, prefix.size(), prefix) == 0;

@@ -84,4 +84,8 @@ class Strategy {
 // Bytes held by the defined tensors (each storage counted once).
 int64_t tensor_bytes(const std::vector<at::Tensor>& tensors);
 
+// Sum of squares of t's elements, accumulated in double over per-tensor fp32 norms (as
+// torch::nn::utils::clip_grad_norm_ does): no double copy of the gradients is made.
+double squared_norm(const at::Tensor& t);
+
 }  // namespace dtrain

@@ -310,7 +310,7 @@ double DataParallel::Reducer::grad_norm() {
   double sq = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& g = params_[i].grad();
-    if (g.defined()) sq += g.to(at::kDouble).pow(2).sum().item<double>();
+    sq += squared_norm(g);
   }
   return std::sqrt(sq);
 }

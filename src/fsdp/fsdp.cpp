@@ -497,7 +497,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
 double FullyShardedDataParallel::Impl::grad_norm() {
   double sq = 0;
   for (const auto& u : units_) {
-    if (u.shard.grad().defined()) sq += u.shard.grad().to(at::kDouble).pow(2).sum().item<double>();
+    sq += squared_norm(u.shard.grad());
   }
   if (shard_comm_) {
     // Shards are disjoint and padding holds zeros: the global sum is the sum of the parts.

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -156,19 +157,25 @@ void validate(const NodeOptions& o) {
 }
 
 int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error(fmt::format("socket: {}", std::strerror(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  const int err = errno;
-  close(fd);
-  if (!ok) throw std::runtime_error(fmt::format("no free port: {}", std::strerror(err)));
-  return ntohs(addr.sin_port);
+  // Scan below the kernel's ephemeral range (32768+ on Linux): a port in that range can be
+  // handed out as the source port of any outgoing connection between this check and the
+  // store server's bind. Start at a per-process offset so concurrent jobs rarely collide.
+  static std::atomic<int> next{static_cast<int>(getpid() % 6000) * 2};
+  for (int attempt = 0; attempt < 12000; ++attempt) {
+    const int port = 20000 + next.fetch_add(1) % 12000;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) throw std::runtime_error(fmt::format("socket: {}", std::strerror(errno)));
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (ok) return port;
+  }
+  throw std::runtime_error("no free port in [20000, 32000)");
 }
 
 int run_node(const NodeOptions& o) {

@@ -46,7 +46,7 @@ void validate(const NodeOptions& options);
 // killed first).
 int run_node(const NodeOptions& options);
 
-// A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice).
+// A TCP port on 127.0.0.1 in [20000, 32000) that was free a moment ago.
 int free_port();
 
 }  // namespace dtrain::launcher

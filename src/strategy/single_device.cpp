@@ -22,7 +22,7 @@ std::vector<at::Tensor> SingleDevice::parameters() { return module_->parameters(
 double SingleDevice::grad_norm() {
   double sq = 0;
   for (const auto& p : module_->parameters()) {
-    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    sq += squared_norm(p.grad());
   }
   return std::sqrt(sq);
 }

@@ -31,4 +31,10 @@ int64_t tensor_bytes(const std::vector<at::Tensor>& tensors) {
   return total;
 }
 
+double squared_norm(const at::Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return 0.0;
+  const double n = t.norm().item<double>();
+  return n * n;
+}
+
 }  // namespace dtrain

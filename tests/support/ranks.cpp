@@ -44,28 +44,6 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,
   if (first) std::rethrow_exception(first);
 }
 
-int free_port() {
-  // Below the kernel's ephemeral range (32768+ on Linux): a client that retries connecting
-  // to a port in that range before the server listens can be handed that very port as its
-  // source port and connect to itself (TCP self-connect).
-  static std::atomic<int> next{20000 + static_cast<int>(getpid() % 6000) * 2};
-  for (int attempt = 0; attempt < 1000; ++attempt) {
-    int port = 20000 + (next.fetch_add(1) - 20000) % 12000;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) throw std::runtime_error("socket() failed");
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    close(fd);
-    if (ok) return port;
-  }
-  throw std::runtime_error("no free port in [20000, 32000)");
-}
-
 Process spawn_process(const std::vector<std::string>& argv,
                       const std::map<std::string, std::string>& env) {
   static std::atomic<int> counter{0};

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dtrain/communicator.h"
+#include "launcher/local_ranks.h"
 
 namespace dtrain::testing {
 
@@ -18,8 +19,8 @@ namespace dtrain::testing {
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,
                CommunicatorOptions options = {});
 
-// A TCP port that was free a moment ago.
-int free_port();
+// A TCP port that was free a moment ago (the launcher's choice, shared by all tools).
+using launcher::free_port;
 
 struct ProcessResult {
   int exit_code = -1;  // -1 if killed by a signal

@@ -1,0 +1,119 @@
+#!/usr/bin/python3
+"""PyTorch (Python) reference run for the peer comparison in benchmarks/peer-comparison.sh.
+
+Trains the same GPT-2 shape as `gpt2_train --model tiny` (4 layers, 4 heads, dim 256,
+ctx 128, vocab 50257, tied head, pre-LayerNorm, GELU tanh, GPT-2 init) on synthetic
+tokens with AdamW (betas 0.9/0.95, weight decay 0.1) and gradient clipping at 1.0, either
+in one process (--nproc 1) or with DistributedDataParallel over Gloo (--nproc N, one
+process per rank started with the 'spawn' method). Threads per rank = cores / ranks, as
+dtrain's trainer does. Writes one JSON line per step (rank 0): tokens_per_s, step_time_s,
+peak_rss_mib (max over ranks).
+Needs Debian's python3-torch (run with /usr/bin/python3).
+"""
+import argparse, json, math, os, resource, time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(dim)
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.mlp_proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        att = att.masked_fill(mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, ctx, layers, heads, dim):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(ctx, dim)
+        self.h = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for b in self.h:
+            x = b(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
+
+def run(rank, args):
+    world = args.nproc
+    torch.set_num_threads(max(1, os.cpu_count() // world))
+    if world > 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(args.port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(1)
+    model = GPT(50257, 128, 4, 4, 256)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    out = open(args.metrics_out, "w") if rank == 0 else None
+    for step in range(args.steps):
+        x = torch.randint(0, 50257, (args.batch, 128), generator=gen)
+        y = torch.randint(0, 50257, (args.batch, 128), generator=gen)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_value = loss.item()
+        dt = time.perf_counter() - t0
+        rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+        if world > 1:
+            dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+        if out:
+            out.write(json.dumps({"kind": "step", "step": step, "loss": loss_value, "step_time_s": dt,
+                                  "tokens_per_s": args.batch * 128 * world / dt,
+                                  "peak_rss_mib": rss.item()}) + "\n")
+            out.flush()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--metrics_out", required=True)
+    args = p.parse_args()
+    if args.nproc == 1:
+        run(0, args)
+    else:
+        mp.spawn(run, args=(args,), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
