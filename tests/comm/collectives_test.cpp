@@ -11,54 +11,22 @@
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "support/check.h"
+#include "support/expected_values.h"
 #include "support/ranks.h"
 
 namespace dtrain {
 namespace {
 
+using testing::reduce_expected;
 using testing::run_ranks;
-
-// Small integers: exact in every dtype, and sums of up to 4 ranks fit in int8.
-double value(int rank, int64_t i) { return static_cast<double>((rank * 3 + i) % 5 + rank); }
+using testing::tolerance;
+using testing::value;
 
 at::Tensor make_input(c10::ScalarType dtype, int64_t n, int rank, int64_t offset = 0) {
   at::Tensor t = at::empty({n}, at::kDouble);
   auto* p = t.data_ptr<double>();
   for (int64_t i = 0; i < n; ++i) p[i] = value(rank, offset + i);
   return t.to(dtype);
-}
-
-double reduce_expected(ReduceOp op, int world, int64_t i) {
-  double acc = value(0, i);
-  for (int r = 1; r < world; ++r) {
-    double v = value(r, i);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        acc += v;
-        break;
-      case ReduceOp::kMin:
-        acc = std::min(acc, v);
-        break;
-      case ReduceOp::kMax:
-        acc = std::max(acc, v);
-        break;
-    }
-  }
-  return op == ReduceOp::kAvg ? acc / world : acc;
-}
-
-double tolerance(c10::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf:
-      return 1e-3;
-    case at::kBFloat16:
-      return 1e-2;
-    case at::kFloat:
-      return 1e-6;
-    default:
-      return 0.0;
-  }
 }
 
 void expect_values(const at::Tensor& got, const std::function<double(int64_t)>& want,

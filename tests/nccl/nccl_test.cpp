@@ -18,11 +18,15 @@
 
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
+#include "support/expected_values.h"
 
 namespace dtrain {
 namespace {
 
 using std::chrono::milliseconds;
+using testing::reduce_expected;
+using testing::tolerance;
+using testing::value;
 
 // Empty when the tests can run; else why not.
 std::string gpu_unavailable_reason() {
@@ -42,9 +46,6 @@ int device_count() {
   return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
 }
 
-// Small integers: exact in every dtype (as in collectives_test.cpp).
-double value(int rank, int64_t i) { return static_cast<double>((rank * 3 + i) % 5 + rank); }
-
 at::Tensor make_input(c10::ScalarType dtype, int64_t n, int rank = 0) {
   at::Tensor host = at::empty({n}, at::kDouble);
   auto* p = host.data_ptr<double>();
@@ -54,40 +55,6 @@ at::Tensor make_input(c10::ScalarType dtype, int64_t n, int rank = 0) {
 
 at::Tensor cuda_full(int64_t n, double fill, c10::ScalarType dtype) {
   return at::full({n}, fill, at::TensorOptions().dtype(dtype).device(at::Device(at::kCUDA, 0)));
-}
-
-// The reduction over `world` ranks of value(r, i), computed in double.
-double reduce_expected(ReduceOp op, int world, int64_t i) {
-  double acc = value(0, i);
-  for (int r = 1; r < world; ++r) {
-    const double v = value(r, i);
-    switch (op) {
-      case ReduceOp::kSum:
-      case ReduceOp::kAvg:
-        acc += v;
-        break;
-      case ReduceOp::kMin:
-        acc = std::min(acc, v);
-        break;
-      case ReduceOp::kMax:
-        acc = std::max(acc, v);
-        break;
-    }
-  }
-  return op == ReduceOp::kAvg ? acc / world : acc;
-}
-
-double tolerance(c10::ScalarType dtype) {
-  switch (dtype) {
-    case at::kHalf:
-      return 1e-3;
-    case at::kBFloat16:
-      return 1e-2;
-    case at::kFloat:
-      return 1e-6;
-    default:
-      return 0.0;
-  }
 }
 
 // Copies `got` to the host (on the current stream, hence after the Work's synchronize()) and
