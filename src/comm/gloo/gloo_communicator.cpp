@@ -324,8 +324,10 @@ WorkPtr GlooCommunicator::reduce_scatter(at::Tensor output, at::Tensor input, Re
         // Ring: at step s rank r sends its partial sum of chunk (r - s - 1) to r + 1 and
         // receives the partial sum of chunk (r - s - 2) from r - 1; after N - 1 steps it
         // holds the full reduction of chunk r.
-        at::Tensor acc = at::empty({n}, input.options());
-        at::Tensor tmp = at::empty({n}, input.options());
+        // Scratch reused across calls (only the executor thread touches it): fresh chunk-sized
+        // buffers on every call cost more in page faults than the reduction itself.
+        at::Tensor acc = scratch(0, n, input);
+        at::Tensor tmp = scratch(1, n, input);
         auto acc_buf = context_->createUnboundBuffer(acc.data_ptr(), bytes);
         auto tmp_buf = context_->createUnboundBuffer(tmp.data_ptr(), bytes);
         auto in_buf = context_->createUnboundBuffer(const_cast<char*>(in), bytes * N);
@@ -352,6 +354,16 @@ WorkPtr GlooCommunicator::reduce_scatter(at::Tensor output, at::Tensor input, Re
         }
         if (op == ReduceOp::kAvg) output.div_(N);
       });
+}
+
+at::Tensor GlooCommunicator::scratch(int slot, int64_t numel, const at::Tensor& like) {
+  at::Tensor& buf = scratch_[slot];
+  const int64_t bytes = numel * static_cast<int64_t>(like.element_size());
+  if (!buf.defined() || static_cast<int64_t>(buf.nbytes()) < bytes) {
+    buf = at::empty({bytes}, like.options().dtype(at::kByte));
+  }
+  // A typed view of the first `numel` elements of the byte buffer.
+  return at::from_blob(buf.data_ptr(), {numel}, like.options());
 }
 
 WorkPtr GlooCommunicator::barrier(const CallOptions& options) {
