@@ -3,10 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -29,7 +27,6 @@
 #include "dtrain/rendezvous.h"
 #include "launcher/local_ranks.h"
 
-extern char** environ;
 
 namespace dtrain::bench {
 namespace {
@@ -75,37 +72,11 @@ class Children {
     c.rank = rank;
     c.log =
         "/tmp/dtrain_bench_" + std::to_string(getpid()) + "_rank" + std::to_string(rank) + ".log";
-    std::map<std::string, std::string> merged;
-    for (char** e = environ; *e != nullptr; ++e) {
-      std::string kv = *e;
-      auto eq = kv.find('=');
-      if (eq != std::string::npos) merged[kv.substr(0, eq)] = kv.substr(eq + 1);
-    }
     // Google Benchmark also reads its flags from the environment; only rank 0 writes files.
-    merged.erase("BENCHMARK_OUT");
-    merged.erase("BENCHMARK_OUT_FORMAT");
-    for (const auto& [k, v] : env) merged[k] = v;
-    std::vector<std::string> env_strings;
-    for (const auto& [k, v] : merged) env_strings.push_back(k + "=" + v);
-    std::vector<char*> envp;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> argv_copy = args;
-    std::vector<char*> argp;
-    for (auto& s : argv_copy) argp.push_back(s.data());
-    argp.push_back(nullptr);
-
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-    posix_spawn_file_actions_addopen(&actions, 2, c.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                     0644);
-    int rc = posix_spawn(&c.pid, "/proc/self/exe", &actions, nullptr, argp.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    if (rc != 0) {
-      throw std::runtime_error(std::string("posix_spawn(/proc/self/exe) failed: ") +
-                               std::strerror(rc));
-    }
+    c.pid = launcher::spawn_process(
+        "/proc/self/exe", args,
+        launcher::environment_with(env, {"BENCHMARK_OUT", "BENCHMARK_OUT_FORMAT"}), "/dev/null",
+        c.log);
     children_.push_back(c);
   }
 

@@ -1,5 +1,6 @@
 #include "launcher/local_ranks.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
@@ -80,23 +81,6 @@ int exit_status_for(int status) {
   return 1;
 }
 
-std::vector<std::string> child_environment(const NodeOptions& o, int local_rank, int port) {
-  static const std::set<std::string> kOurs = {"RANK",        "WORLD_SIZE",       "LOCAL_RANK",
-                                              "MASTER_ADDR", "LOCAL_WORLD_SIZE", "MASTER_PORT"};
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string kv = *e;
-    if (kOurs.count(kv.substr(0, kv.find('='))) == 0) env.push_back(std::move(kv));
-  }
-  env.push_back(fmt::format("RANK={}", o.node_rank * o.nproc_per_node + local_rank));
-  env.push_back(fmt::format("WORLD_SIZE={}", o.nnodes * o.nproc_per_node));
-  env.push_back(fmt::format("LOCAL_RANK={}", local_rank));
-  env.push_back(fmt::format("LOCAL_WORLD_SIZE={}", o.nproc_per_node));
-  env.push_back("MASTER_ADDR=" + o.master_addr);
-  env.push_back(fmt::format("MASTER_PORT={}", port));
-  return env;
-}
-
 std::vector<char*> pointers(std::vector<std::string>& strings) {
   std::vector<char*> p;
   for (auto& s : strings) p.push_back(s.data());
@@ -105,12 +89,49 @@ std::vector<char*> pointers(std::vector<std::string>& strings) {
 }
 
 pid_t spawn(const NodeOptions& o, int local_rank, int port) {
-  std::vector<std::string> args = o.argv;
-  std::vector<std::string> env = child_environment(o, local_rank, port);
-  std::vector<char*> argp = pointers(args), envp = pointers(env);
+  const std::vector<std::string> env =
+      environment_with({{"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
+                        {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
+                        {"LOCAL_RANK", std::to_string(local_rank)},
+                        {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
+                        {"MASTER_ADDR", o.master_addr},
+                        {"MASTER_PORT", std::to_string(port)}});
+  try {
+    return spawn_process(o.argv[0], o.argv, env);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(fmt::format("{}: local rank {}: {}", o.name, local_rank, e.what()));
+  }
+}
 
-  // The child starts with default SIGINT/SIGTERM dispositions and nothing blocked,
-  // whatever its parent had.
+}  // namespace
+
+std::vector<std::string> environment_with(const std::map<std::string, std::string>& overrides,
+                                          const std::set<std::string>& remove) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv = *e;
+    const std::string key = kv.substr(0, kv.find('='));
+    if (remove.count(key) == 0 && overrides.count(key) == 0) env.push_back(std::move(kv));
+  }
+  for (const auto& [k, v] : overrides) env.push_back(k + "=" + v);
+  return env;
+}
+
+pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
+                    const std::vector<std::string>& env, const std::string& stdout_path,
+                    const std::string& stderr_path) {
+  std::vector<std::string> args = argv, envs = env;
+  std::vector<char*> argp = pointers(args), envp = pointers(envs);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  const int flags = O_WRONLY | O_CREAT | O_TRUNC;
+  if (!stdout_path.empty())
+    posix_spawn_file_actions_addopen(&actions, 1, stdout_path.c_str(), flags, 0644);
+  if (!stderr_path.empty() && stderr_path == stdout_path) {
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  } else if (!stderr_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, 2, stderr_path.c_str(), flags, 0644);
+  }
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
   sigset_t defaults, none;
@@ -122,14 +143,16 @@ pid_t spawn(const NodeOptions& o, int local_rank, int port) {
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
   pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, argp[0], nullptr, &attr, argp.data(), envp.data());
+  const int rc = posix_spawnp(&pid, program.c_str(), &actions, &attr, argp.data(), envp.data());
   posix_spawnattr_destroy(&attr);
+  posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
-    throw std::runtime_error(fmt::format("{}: cannot start '{}' for local rank {}: {}", o.name,
-                                         o.argv[0], local_rank, std::strerror(rc)));
+    throw std::runtime_error(fmt::format("cannot start '{}': {}", program, std::strerror(rc)));
   }
   return pid;
 }
+
+namespace {
 
 void signal_running(const std::vector<Child>& children, int sig) {
   for (const auto& c : children) {

@@ -7,7 +7,11 @@
 // torch ran is also safe.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -45,6 +49,19 @@ void validate(const NodeOptions& options);
 // Throws std::runtime_error when a rank cannot be started (the ones already started are
 // killed first).
 int run_node(const NodeOptions& options);
+
+// This process's environment as KEY=VALUE strings, without the names in `remove`, with
+// `overrides` set.
+std::vector<std::string> environment_with(const std::map<std::string, std::string>& overrides,
+                                          const std::set<std::string>& remove = {});
+
+// Starts `program` (looked up in PATH unless it contains a '/') with `argv` and `env`, by
+// posix_spawn: an exec, safe after LibTorch ran. SIGINT/SIGTERM start at their defaults in
+// the child. stdout/stderr go to the given files (truncated; "" keeps the parent's; the
+// same path for both shares one file). Throws std::runtime_error when it cannot start.
+pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
+                    const std::vector<std::string>& env, const std::string& stdout_path = "",
+                    const std::string& stderr_path = "");
 
 // A TCP port on 127.0.0.1 in [20000, 32000) that was free a moment ago.
 int free_port();
