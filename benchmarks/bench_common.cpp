@@ -27,7 +27,6 @@
 #include "dtrain/rendezvous.h"
 #include "launcher/local_ranks.h"
 
-
 namespace dtrain::bench {
 namespace {
 

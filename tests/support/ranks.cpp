@@ -17,7 +17,6 @@
 #include <stdexcept>
 #include <thread>
 
-
 namespace dtrain::testing {
 
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,
