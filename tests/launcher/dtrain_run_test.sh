@@ -57,10 +57,11 @@ expect_status 137 "$run" --nproc_per_node 2 -- sh -c \
   'if [ "$RANK" = 0 ]; then kill -KILL $$; fi; exec sleep 60'
 expect_stderr "rank 0 .* was killed by signal 9"
 
-# 6. A rank that ignores SIGTERM is killed after the grace period.
+# 6. A rank that ignores SIGTERM is killed after the grace period. (Rank 1 fails only after
+#    0.5 s, so that rank 0 has installed its trap before SIGTERM arrives.)
 start=$(date +%s)
 expect_status 5 "$run" --nproc_per_node 2 --grace_s 1 -- sh -c \
-  'trap "" TERM; if [ "$RANK" = 1 ]; then exit 5; fi; i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'
+  'trap "" TERM; if [ "$RANK" = 1 ]; then sleep 0.5; exit 5; fi; i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done'
 expect_stderr "sending SIGKILL"
 [ $(($(date +%s) - start)) -lt 20 ] || fail "the SIGTERM-ignoring rank was not killed"
 
