@@ -5,7 +5,8 @@
 #   2. DDP with 2 ranks: exposed communication (comm_wait_s) vs total (comm_total_s)
 #   3. FSDP FULL_SHARD vs DDP at 4 ranks: model-state memory and peak RSS per rank
 #   4. FSDP vs DDP throughput at 2 ranks
-#   5. DDP step time vs --bucket_mb at 2 ranks
+#   5. DDP step time vs bucket_cap_mb at 2 ranks: the Google Benchmark program
+#      dtrain_bench_bucketing (same model, batch and optimizer), run REPEATS times
 # Runs of the strategies being compared alternate, several times, in one session.
 # Output: ${OUT:-report/bench}/strategies.md (Markdown tables) and the raw JSONL.
 set -euo pipefail
@@ -16,7 +17,8 @@ steps="${STEPS:-25}"
 repeats="${REPEATS:-3}"
 mkdir -p "$out"
 train="$build/examples/gpt2/gpt2_train"
-[ -x "$train" ] || "$root/scripts/build.sh"
+bucketing="$build/benchmarks/dtrain_bench_bucketing"
+[ -x "$train" ] && [ -x "$bucketing" ] || "$root/scripts/build.sh"
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # spinning OpenMP threads distort shared-core timings
 common=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1)
 
@@ -37,8 +39,11 @@ for i in $(seq 1 "$repeats"); do
 done
 run ddp4 --strategy ddp --nproc 4 --steps 6
 run fsdp4 --strategy fsdp --nproc 4 --steps 6
-for mb in 0.25 1 5 25 100; do
-  run "bucket_$mb" --strategy ddp --nproc 2 --bucket_mb "$mb" --steps 15
+buckets="0.25,1,5,25,100"
+for i in $(seq 1 "$repeats"); do
+  "$bucketing" --nproc=2 --model=tiny --batch=8 --bucket_cap_mb="$buckets" --warmup=3 --steps=10 \
+    --benchmark_out="$out/bucketing_$i.json" --benchmark_out_format=json >"$out/bucketing_$i.log" 2>&1 ||
+    { echo "bench-strategies: dtrain_bench_bucketing failed, see $out/bucketing_$i.log" >&2; exit 1; }
 done
 
 python3 - "$out" "$steps" "$repeats" <<'PY' | tee "$out/strategies.md"
@@ -76,8 +81,17 @@ for n in ("ddp4", "fsdp4"):
     print(f"| {n[:-1]} | {last(n,'model_state_mib'):.1f} | {last(n,'peak_rss_mib'):.0f} |")
 print(f"\nFSDP/DDP model state: {last('fsdp4','model_state_mib')/last('ddp4','model_state_mib'):.3f}; "
       f"peak RSS: {last('fsdp4','peak_rss_mib')/last('ddp4','peak_rss_mib'):.3f}\n")
-print("| bucket_cap_mb (2 ranks) | step time (s) | comm_wait_s | buckets |\n|---|---|---|---|")
-for mb in ("0.25", "1", "5", "25", "100"):
-    n = f"bucket_{mb}"
-    print(f"| {mb} | {med(n,'step_time_s',3):.4f} | {med(n,'comm_wait_s',3):.4f} | {steps_of(n)[-1].get('num_collectives','?')} |")
+# dtrain_bench_bucketing: one JSON per run; medians over the runs of each bucket size.
+runs = [json.load(open(f"{out}/bucketing_{i}.json"))["benchmarks"] for i in range(1, repeats + 1)]
+caps = [b["bucket_cap_mb"] for b in runs[0]]
+def bmed(cap, key):
+    return statistics.median(b[key] for r in runs for b in r if b["bucket_cap_mb"] == cap)
+base = bmed(25.0, "real_time")
+print(f"dtrain_bench_bucketing, 2 ranks, {runs[0][0]['iterations']} timed steps after 3 warm-up steps, "
+      f"median over {repeats} runs:\n")
+print("| bucket_cap_mb | buckets | step time (ms) | vs 25 MiB (default) | tokens/s | all-reduce, first launch to last completion (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|---|")
+for cap in caps:
+    t = bmed(cap, "real_time")
+    print(f"| {cap:g} | {bmed(cap,'buckets'):.0f} | {t:.0f} | {t/base:.3f} | {bmed(cap,'tokens_per_s'):.0f} | "
+          f"{bmed(cap,'comm_total_ms'):.0f} | {bmed(cap,'comm_wait_ms'):.0f} | {100*bmed(cap,'hidden'):.0f}% |")
 PY

@@ -1,0 +1,217 @@
+// dtrain_bench_bucketing: DDP step time versus bucket_cap_mb on the GPT-2 example model.
+//
+// Bucket size trades per-collective latency (many small buckets) against overlap (one
+// big bucket can only be launched when almost all of backward is done). Each benchmark
+// trains the GPT-2 model (default: the `tiny` preset) with DataParallel and one
+// bucket_cap_mb, one intra-op thread per rank, on uniform random tokens, AdamW as the
+// example trainer uses it; an iteration is one optimizer step (forward, loss, backward
+// with its bucketed all-reduce, optimizer step), timed on rank 0 between barriers.
+// Warm-up steps run first, so the timed steps use the rebuilt (ready-order) buckets.
+//
+// Reported per bucket_cap_mb: the step time (manual time), tokens/s over all ranks,
+// comm_total_ms (first bucket launch to last completion), comm_wait_ms (what the step
+// waited after backward: the exposed part), hidden = 1 - wait/total, and the number of
+// buckets. After the timed steps every rank's parameters must equal rank 0's bit for bit
+// (DDP's invariant: the same averaged gradient everywhere); a difference fails the run.
+//
+//   dtrain_bench_bucketing --nproc=2 --bucket_cap_mb=0.25,1,5,25,100
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "dtrain/data_parallel.h"
+#include "model.h"
+
+namespace dtrain::bench {
+namespace {
+
+struct Config {
+  std::string model = "tiny";
+  int64_t vocab_size = 0;  // 0: the preset's
+  int64_t layers = 0;
+  int64_t dim = 0;
+  int64_t heads = 0;
+  int64_t seq = 0;  // 0: the model's context
+  int64_t batch = 8;
+  std::string bucket_cap_mb = "0.25,1,5,25,100";
+  double first_bucket_cap_mb = 1.0;
+  int64_t warmup = 3;
+  int64_t steps = 10;
+  int64_t corrupt_rank = -1;
+};
+
+std::vector<double> parse_double_list(const std::string& text) {
+  std::vector<double> values;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || !(v > 0)) {
+      throw std::invalid_argument("not a positive number in a list: '" + item + "'");
+    }
+    values.push_back(v);
+  }
+  if (values.empty()) throw std::invalid_argument("empty list");
+  return values;
+}
+
+gpt2::GptConfig model_config(const Config& cfg) {
+  gpt2::GptConfig g = gpt2::preset(cfg.model);
+  if (cfg.vocab_size > 0) g.vocab_size = cfg.vocab_size;
+  if (cfg.layers > 0) g.layers = cfg.layers;
+  if (cfg.dim > 0) g.dim = cfg.dim;
+  if (cfg.heads > 0) g.heads = cfg.heads;
+  if (cfg.seq > 0) g.context = cfg.seq;
+  g.validate();
+  return g;
+}
+
+// Bit-for-bit comparison of every parameter with rank 0's copy.
+bool replicas_equal(Communicator& comm, const std::vector<at::Tensor>& params) {
+  bool equal = true;
+  for (const at::Tensor& p : params) {
+    at::Tensor mine = p.detach().contiguous();
+    at::Tensor root = mine.clone();
+    comm.broadcast(root, 0)->wait();
+    equal = equal && at::equal(mine, root);
+  }
+  return equal;
+}
+
+void run(benchmark::State& state, const std::string& name, Communicator& comm, double cap_mb,
+         const Config& cfg) {
+  if (skip_after_comm_failure(state)) return;
+  try {
+    const gpt2::GptConfig g = model_config(cfg);
+    at::manual_seed(1);  // the same initial weights for every bucket size
+    gpt2::Gpt model(g);
+    DataParallelOptions options;
+    options.bucket_cap_mb = cap_mb;
+    options.first_bucket_cap_mb = std::min(cfg.first_bucket_cap_mb, cap_mb);
+    // Non-owning: bench_main keeps the communicator alive until every benchmark has run.
+    DataParallel ddp(std::static_pointer_cast<torch::nn::Module>(model.ptr()),
+                     CommunicatorPtr(&comm, [](Communicator*) {}), options);
+    torch::optim::AdamW opt(ddp.parameters(),
+                            torch::optim::AdamWOptions(3e-4).betas({0.9, 0.95}).weight_decay(0.1));
+    // Different tokens on each rank and step, drawn up front.
+    at::manual_seed(1000 + static_cast<uint64_t>(comm.rank()));
+    const int64_t T = g.context;
+    const int64_t total = cfg.warmup + cfg.steps;
+    at::Tensor tokens = at::randint(g.vocab_size, {total, cfg.batch, T + 1}, at::kLong);
+
+    auto step = [&](int64_t i) {
+      at::Tensor x = tokens[i].narrow(1, 0, T);
+      at::Tensor y = tokens[i].narrow(1, 1, T);
+      opt.zero_grad();
+      at::Tensor loss = ddp.forward([&] { return gpt2::lm_loss(model->forward(x), y); });
+      ddp.backward(loss);
+      opt.step();
+    };
+    for (int64_t i = 0; i < cfg.warmup; ++i) step(i);
+
+    double step_s = 0, wait_s = 0, total_s = 0;
+    int64_t i = cfg.warmup;
+    for (auto _ : state) {
+      comm.barrier()->wait();
+      const auto t0 = std::chrono::steady_clock::now();
+      step(i++);
+      const double dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      state.SetIterationTime(dt);
+      step_s += dt;
+      wait_s += ddp.last_step_stats().comm_wait_s;
+      total_s += ddp.last_step_stats().comm_total_s;
+    }
+
+    if (comm.rank() == cfg.corrupt_rank) {  // test hook: must be caught
+      at::NoGradGuard no_grad;
+      ddp.parameters().front().view(-1)[0] += 1;
+    }
+    std::string failed;
+    if (!all_ranks_ok(comm, replicas_equal(comm, ddp.parameters()), &failed)) {
+      fail(state, comm, name,
+           "verification failed: parameters differ from rank 0's on rank(s) " + failed);
+      return;
+    }
+    const double k = static_cast<double>(state.iterations());
+    const double tokens_per_step = static_cast<double>(cfg.batch * T * comm.world_size());
+    state.counters["bucket_cap_mb"] = cap_mb;
+    state.counters["buckets"] = static_cast<double>(ddp.bucket_assignment().size());
+    state.counters["comm_total_ms"] = total_s / k * 1e3;
+    state.counters["comm_wait_ms"] = wait_s / k * 1e3;
+    state.counters["hidden"] = total_s > 0 ? 1.0 - wait_s / total_s : 0.0;
+    state.counters["tokens_per_s"] = tokens_per_step * k / step_s;
+  } catch (const std::exception& e) {
+    fail(state, comm, name, e.what(), /*comm_broken=*/true);
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::bench
+
+int main(int argc, char** argv) {
+  using namespace dtrain::bench;
+  Config cfg;
+  Flags flags;
+  flags.add("model", &cfg.model, "GPT-2 preset of the example model: tiny | paper-27m | gpt2");
+  flags.add("vocab_size", &cfg.vocab_size, "override the preset's vocabulary (0: keep)");
+  flags.add("layers", &cfg.layers, "override the preset's layers (0: keep)");
+  flags.add("dim", &cfg.dim, "override the preset's width (0: keep)");
+  flags.add("heads", &cfg.heads, "override the preset's heads (0: keep)");
+  flags.add("seq", &cfg.seq, "tokens per sequence (0: the preset's context)");
+  flags.add("batch", &cfg.batch, "sequences per rank per step");
+  flags.add("bucket_cap_mb", &cfg.bucket_cap_mb,
+            "comma-separated DataParallelOptions::bucket_cap_mb values, one benchmark each");
+  flags.add("first_bucket_cap_mb", &cfg.first_bucket_cap_mb,
+            "DataParallelOptions::first_bucket_cap_mb (capped at bucket_cap_mb)");
+  flags.add("warmup", &cfg.warmup, "untimed steps first (the buckets are rebuilt after the 1st)");
+  flags.add("steps", &cfg.steps, "timed steps per bucket size (same on every rank)");
+  flags.add("corrupt_rank", &cfg.corrupt_rank,
+            "testing hook: this rank perturbs a parameter before verification (must fail)");
+
+  return bench_main(argc, argv, flags, [&cfg](dtrain::Communicator& comm) {
+    if (cfg.batch < 1 || cfg.steps < 1 || cfg.warmup < 1) {
+      throw std::invalid_argument("--batch, --steps and --warmup must be >= 1");
+    }
+    if (!(cfg.first_bucket_cap_mb > 0)) {
+      throw std::invalid_argument("--first_bucket_cap_mb must be > 0");
+    }
+    // Rejects a bad shape before any run; a shape changed by the overrides is named by it.
+    const gpt2::GptConfig g = model_config(cfg);
+    const bool overridden =
+        cfg.vocab_size > 0 || cfg.layers > 0 || cfg.dim > 0 || cfg.heads > 0 || cfg.seq > 0;
+    std::ostringstream model;
+    model << cfg.model;
+    if (overridden) {
+      model << "(L" << g.layers << ",H" << g.heads << ",D" << g.dim << ",T" << g.context << ",V"
+            << g.vocab_size << ")";
+    }
+    for (double cap : parse_double_list(cfg.bucket_cap_mb)) {
+      std::ostringstream label;
+      label << "ddp_step/ranks:" << comm.world_size() << "/model:" << model.str()
+            << "/batch:" << cfg.batch << "/bucket_cap_mb:" << cap;
+      const std::string name = label.str();
+      benchmark::RegisterBenchmark(
+          name.c_str(),
+          [&comm, &cfg, cap, name](benchmark::State& state) { run(state, name, comm, cap, cfg); })
+          ->Iterations(cfg.steps)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  });
+}
