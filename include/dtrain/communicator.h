@@ -48,8 +48,9 @@ struct CommunicatorOptions {
   std::string hostname;
   // Gloo: network interface to bind (overrides hostname), e.g. "eth0".
   std::string interface;
-  // Gloo: largest message piece an all-reduce moves at once; larger pipelines better on
-  // fast links, smaller hides latency on slow ones.
+  // Gloo: largest message piece the ring collectives (all_reduce, reduce_scatter) move at
+  // once. reduce_scatter reduces one segment while the next ones are in flight, so smaller
+  // segments overlap more of the reduction with the transfer, at a per-message cost.
   size_t gloo_max_segment_bytes = 4u << 20;
   // NCCL: the CUDA device this rank uses (LOCAL_RANK by convention). -1: current device.
   int device_index = -1;

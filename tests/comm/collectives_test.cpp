@@ -118,6 +118,38 @@ TEST_P(Collectives, AllGather) {
   });
 }
 
+// Segments far smaller than the chunks: reduce_scatter's pipeline (several segments per
+// chunk, a short last one, receive buffers alternating between steps) and Gloo's
+// segmented all-reduce, for every dtype and reduction.
+TEST_P(Collectives, SegmentedRing) {
+  const int world = GetParam();
+  CommunicatorOptions options;
+  options.gloo_max_segment_bytes = 40;  // 5 doubles, 10 floats, 20 halves, 40 bytes
+  run_ranks(
+      world,
+      [&](Communicator& c) {
+        for (auto dtype : kAllDtypes) {
+          for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1001}}) {
+            for (ReduceOp op : ops_for(dtype)) {
+              at::Tensor in = make_input(dtype, n * world, c.rank());
+              at::Tensor out = at::full({n}, -1, dtype);
+              c.reduce_scatter(out, in, op)->wait();
+              const int64_t base = c.rank() * n;
+              expect_values(
+                  out, [&](int64_t i) { return reduce_expected(op, world, base + i); },
+                  label("segmented reduce_scatter", dtype, n, c.rank()) + " " + to_string(op));
+              at::Tensor t = make_input(dtype, n, c.rank());
+              c.all_reduce(t, op)->wait();
+              expect_values(
+                  t, [&](int64_t i) { return reduce_expected(op, world, i); },
+                  label("segmented all_reduce", dtype, n, c.rank()) + " " + to_string(op));
+            }
+          }
+        }
+      },
+      options);
+}
+
 TEST_P(Collectives, ReduceScatter) {
   const int world = GetParam();
   run_ranks(world, [&](Communicator& c) {

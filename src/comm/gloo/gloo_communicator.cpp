@@ -11,7 +11,9 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include <fmt/format.h>
 
@@ -323,35 +325,68 @@ WorkPtr GlooCommunicator::reduce_scatter(at::Tensor output, at::Tensor input, Re
         }
         // Ring: at step s rank r sends its partial sum of chunk (r - s - 1) to r + 1 and
         // receives the partial sum of chunk (r - s - 2) from r - 1; after N - 1 steps it
-        // holds the full reduction of chunk r.
+        // holds the full reduction of chunk r. Chunks move in segments of at most
+        // gloo_max_segment_bytes, pipelined: segment j is reduced and sent on while later
+        // segments are still arriving, so reduction overlaps with transfer.
+        const size_t elem = input.element_size();
+        const int64_t seg =
+            std::clamp<int64_t>(static_cast<int64_t>(options_.gloo_max_segment_bytes / elem), 1, n);
+        const int64_t num_segs = (n + seg - 1) / seg;
+        auto seg_offset = [&](int64_t j) { return static_cast<size_t>(j * seg) * elem; };
+        auto seg_bytes = [&](int64_t j) {
+          return static_cast<size_t>(std::min(seg, n - j * seg)) * elem;
+        };
         // Scratch reused across calls (only the executor thread touches it): fresh chunk-sized
-        // buffers on every call cost more in page faults than the reduction itself.
+        // buffers on every call cost more in page faults than the reduction itself. Two
+        // receive buffers, so that step s + 1's segments can land while step s reduces.
         at::Tensor acc = scratch(0, n, input);
-        at::Tensor tmp = scratch(1, n, input);
+        at::Tensor recv[2] = {scratch(1, n, input), scratch(2, n, input)};
         auto acc_buf = context_->createUnboundBuffer(acc.data_ptr(), bytes);
-        auto tmp_buf = context_->createUnboundBuffer(tmp.data_ptr(), bytes);
+        std::unique_ptr<gloo::transport::UnboundBuffer> recv_buf[2] = {
+            context_->createUnboundBuffer(recv[0].data_ptr(), bytes),
+            context_->createUnboundBuffer(recv[1].data_ptr(), bytes)};
         auto in_buf = context_->createUnboundBuffer(const_cast<char*>(in), bytes * N);
         const int right = (rank_ + 1) % N;
         const int left = (rank_ - 1 + N) % N;
+        // One slot for the whole call: a pair delivers messages of one slot in order, and
+        // receives are matched in the order they were posted.
         const uint64_t slot =
             gloo::Slot::build(kReduceScatterSlotPrefix, static_cast<uint32_t>(seq));
-        for (int s = 0; s < N - 1; ++s) {
-          if (s == 0) {
-            const size_t offset = static_cast<size_t>(chunk(rank_ - 1) - in);
-            in_buf->send(right, slot, offset, bytes);
-          } else {
-            acc_buf->send(right, slot, 0, bytes);
+        auto post_recvs = [&](int step) {
+          for (int64_t j = 0; j < num_segs; ++j) {
+            recv_buf[step % 2]->recv(left, slot, seg_offset(j), seg_bytes(j));
           }
-          tmp_buf->recv(left, slot, 0, bytes);
-          if (s == 0) {
-            in_buf->waitSend(timeout);
-          } else {
-            acc_buf->waitSend(timeout);
-          }
-          tmp_buf->waitRecv(timeout);
-          void* dst = (s == N - 2) ? output.data_ptr() : acc.data_ptr();
-          fn(dst, tmp.data_ptr(), chunk(rank_ - s - 2), static_cast<size_t>(n));
+        };
+        const size_t first = static_cast<size_t>(chunk(rank_ - 1) - in);
+        for (int64_t j = 0; j < num_segs; ++j) {
+          in_buf->send(right, slot, first + seg_offset(j), seg_bytes(j));
         }
+        post_recvs(0);
+        int64_t acc_sends = 0;  // posted and not yet waited for, completed in posting order
+        for (int s = 0; s < N - 1; ++s) {
+          // recv[(s + 1) % 2] was last read by step s - 1, which has finished.
+          if (s + 1 < N - 1) post_recvs(s + 1);
+          const bool last = s == N - 2;
+          char* dst = static_cast<char*>(last ? output.data_ptr() : acc.data_ptr());
+          const char* local = chunk(rank_ - s - 2);
+          const char* got = static_cast<const char*>(recv[s % 2].data_ptr());
+          for (int64_t j = 0; j < num_segs; ++j) {
+            recv_buf[s % 2]->waitRecv(timeout);
+            // Step s - 1 sent acc's segment j: it must have left before it is overwritten.
+            if (!last && s > 0) {
+              acc_buf->waitSend(timeout);
+              --acc_sends;
+            }
+            fn(dst + seg_offset(j), got + seg_offset(j), local + seg_offset(j),
+               static_cast<size_t>(seg_bytes(j) / elem));
+            if (!last) {
+              acc_buf->send(right, slot, seg_offset(j), seg_bytes(j));
+              ++acc_sends;
+            }
+          }
+        }
+        for (int64_t j = 0; j < num_segs; ++j) in_buf->waitSend(timeout);
+        for (; acc_sends > 0; --acc_sends) acc_buf->waitSend(timeout);
         if (op == ReduceOp::kAvg) output.div_(N);
       });
 }

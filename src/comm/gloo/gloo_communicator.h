@@ -68,9 +68,10 @@ class GlooCommunicator final : public Communicator {
   // collectives use their sequence number as Gloo's tag, which must match across ranks.
   std::atomic<uint64_t> p2p_seq_{0};
 
-  // Chunk-sized scratch of reduce_scatter, grown on demand; executor thread only.
+  // Chunk-sized scratch of reduce_scatter (the partial sum and two receive buffers), grown
+  // on demand; executor thread only.
   at::Tensor scratch(int slot, int64_t numel, const at::Tensor& like);
-  at::Tensor scratch_[2];
+  at::Tensor scratch_[3];
 
   std::mutex broken_mu_;
   std::exception_ptr broken_;  // first failure; sticky
