@@ -8,9 +8,13 @@ in one process (--nproc 1) or with DistributedDataParallel over Gloo (--nproc N,
 process per rank started with the 'spawn' method). Threads per rank = cores / ranks, as
 dtrain's trainer does. Writes one JSON line per step (rank 0): tokens_per_s, step_time_s,
 peak_rss_mib (max over ranks).
+With --profile_out (rank 0), torch.autograd.profiler.profile() records --profile_steps steps
+after the first 5 (the same RecordFunction events as gpt2_train --profile_out, see
+examples/gpt2/op_profile.h) and writes per operator name calls, self and total CPU time as
+JSON: {"steps", "wall_s", "ops": [{"name", "calls", "self_s", "total_s"}, ...]}.
 Needs Debian's python3-torch (run with /usr/bin/python3).
 """
-import argparse, json, math, os, resource, time
+import argparse, contextlib, json, math, os, resource, time
 
 import torch
 import torch.distributed as dist
@@ -63,6 +67,39 @@ class GPT(nn.Module):
         return F.linear(self.ln_f(x), self.wte.weight)
 
 
+PROFILE_WARMUP_STEPS = 5  # as gpt2_train: steps before profiling starts
+# RecordScope values (ATen's record_function.h) kept in the profile, as gpt2_train keeps them:
+# FUNCTION (operators, the autograd engine's evaluate_function) and BACKWARD_FUNCTION
+# (autograd nodes). USER_SCOPE ranges such as "Optimizer.step#AdamW.step" or DDP's
+# "DistributedDataParallel.forward" and "gloo:all_reduce" are dropped: their self time is
+# the interpreter's or another thread's, which the table counts as outside recorded ops.
+PROFILE_SCOPES = (0, 1)
+
+
+class OpProfile:
+    """Per-operator totals over the profiled steps, from each step's key_averages()."""
+
+    def __init__(self):
+        self.steps, self.wall_s, self.ops = 0, 0.0, {}
+
+    def add_step(self, prof, wall_s):
+        self.steps += 1
+        self.wall_s += wall_s
+        for e in prof.key_averages():
+            if e.scope not in PROFILE_SCOPES:
+                continue
+            o = self.ops.setdefault(e.key, {"name": e.key, "calls": 0, "self_s": 0.0, "total_s": 0.0})
+            o["calls"] += e.count
+            o["self_s"] += e.self_cpu_time_total * 1e-6  # microseconds
+            o["total_s"] += e.cpu_time_total * 1e-6
+
+    def write(self, path):
+        ops = sorted(self.ops.values(), key=lambda o: (-o["self_s"], o["name"]))
+        with open(path, "w") as f:
+            json.dump({"steps": self.steps, "wall_s": self.wall_s, "ops": ops}, f, indent=1)
+            f.write("\n")
+
+
 def run(rank, args):
     world = args.nproc
     torch.set_num_threads(max(1, os.cpu_count() // world))
@@ -77,18 +114,25 @@ def run(rank, args):
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1234 + rank)
     out = open(args.metrics_out, "w") if rank == 0 else None
+    profile = OpProfile() if rank == 0 and args.profile_out else None
     for step in range(args.steps):
         x = torch.randint(0, 50257, (args.batch, 128), generator=gen)
         y = torch.randint(0, 50257, (args.batch, 128), generator=gen)
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_value = loss.item()
-        dt = time.perf_counter() - t0
+        in_window = args.profile_out and \
+            PROFILE_WARMUP_STEPS <= step < PROFILE_WARMUP_STEPS + args.profile_steps
+        # The profiler is entered before t0 and left after dt: the same step as step_time_s.
+        profiled = profile is not None and in_window
+        prof = torch.autograd.profiler.profile() if profiled else None
+        with prof if prof is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            loss_value = loss.item()
+            dt = time.perf_counter() - t0
         rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
         if world > 1:
             dist.all_reduce(rss, op=dist.ReduceOp.MAX)
@@ -97,6 +141,18 @@ def run(rank, args):
                                   "tokens_per_s": args.batch * 128 * world / dt,
                                   "peak_rss_mib": rss.item()}) + "\n")
             out.flush()
+        if prof is not None:
+            profile.add_step(prof, dt)
+            if profile.steps == args.profile_steps:
+                profile.write(args.profile_out)
+        if in_window and world > 1:
+            # Leaving the profiler and averaging take rank 0 a while; without this the other
+            # ranks would run ahead and change what rank 0's next profiled step sees.
+            dist.barrier()
+    if profile and profile.steps < args.profile_steps:
+        print(f"profile: only {profile.steps} of --profile_steps {args.profile_steps} steps "
+              f"profiled (first {PROFILE_WARMUP_STEPS} are warm-up)")
+        profile.write(args.profile_out)
     if world > 1:
         dist.destroy_process_group()
 
@@ -108,7 +164,13 @@ def main():
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--metrics_out", required=True)
+    p.add_argument("--profile_out", default="",
+                   help="rank 0: per-operator profile (JSON) of --profile_steps steps after "
+                        "the first 5; empty: off")
+    p.add_argument("--profile_steps", type=int, default=5)
     args = p.parse_args()
+    if args.profile_out and args.profile_steps < 1:
+        p.error("--profile_steps must be at least 1 with --profile_out")
     if args.nproc == 1:
         run(0, args)
     else:

@@ -38,6 +38,7 @@
 #include "launcher/local_ranks.h"
 #include "metrics.h"
 #include "model.h"
+#include "op_profile.h"
 #include "progress.h"
 #include "tokenizer.h"
 
@@ -151,6 +152,14 @@ ABSL_FLAG(int64_t, val_batches, 8,
 ABSL_FLAG(std::string, metrics_out, "",
           "Write metrics as JSON lines here (rank 0): one line per step (\"kind\": \"step\") "
           "and one per epoch (\"kind\": \"epoch\"); see docs/gpt2.md for the fields.");
+ABSL_FLAG(std::string, profile_out, "",
+          "Profile ATen operators and autograd nodes over --profile_steps steps that follow "
+          "the first 5 (warm-up) and write, per operator name, calls and self and total CPU "
+          "time as JSON here (rank 0 only; other ranks are not profiled). The step is the one "
+          "step_time_s measures. Empty: off, and nothing is observed. Format and method: "
+          "examples/gpt2/op_profile.h; comparison with PyTorch: benchmarks/peer-profile.sh.");
+ABSL_FLAG(int64_t, profile_steps, 5,
+          "With --profile_out: steps to profile, after the first 5 of the run.");
 ABSL_FLAG(int64_t, log_every, 10,
           "Steps between log lines when stdout is not a terminal (a terminal gets a bar).");
 ABSL_FLAG(int64_t, sample_tokens, 48, "Tokens to generate from rank 0 at the end (0: none).");
@@ -163,6 +172,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
+
+// --profile_out: steps run before profiling starts (allocator, caches and OpenMP pool warm).
+constexpr int64_t kProfileWarmupSteps = 5;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -184,11 +196,11 @@ fs::path data_dir() {
 // Everything the flags say, checked before any rank starts.
 struct Config {
   std::string strategy, device, precision, comm_hook, sharding, prefetch, data, tokenizer;
-  std::string vocab_dir, metrics_out, prompt, model;
+  std::string vocab_dir, metrics_out, profile_out, prompt, model;
   GptConfig gpt;
   int64_t vocab = 0, batch = 0, grad_accum = 1, epochs = 1, steps = 0, steps_per_epoch = 0;
   int64_t max_tokens = 0, warmup_steps = 0, val_every = 0, val_batches = 0, log_every = 10;
-  int64_t sample_tokens = 0, seed = 0;
+  int64_t sample_tokens = 0, seed = 0, profile_steps = 0;
   double val_fraction = 0, lr = 0, min_lr_ratio = 0, weight_decay = 0, clip = 0, bucket_mb = 0;
   double temperature = 1;
   int top_k = 0, threads = 0, timeout_s = 300, shard_group_size = 0;
@@ -209,6 +221,8 @@ Config config_from_flags() {
   c.tokenizer = absl::GetFlag(FLAGS_tokenizer);
   c.vocab_dir = absl::GetFlag(FLAGS_vocab_dir);
   c.metrics_out = absl::GetFlag(FLAGS_metrics_out);
+  c.profile_out = absl::GetFlag(FLAGS_profile_out);
+  c.profile_steps = absl::GetFlag(FLAGS_profile_steps);
   c.prompt = absl::GetFlag(FLAGS_prompt);
   c.model = absl::GetFlag(FLAGS_model);
   c.vocab = absl::GetFlag(FLAGS_vocab);
@@ -278,6 +292,8 @@ Config config_from_flags() {
   check(c.steps >= 0 && c.steps_per_epoch >= 0 && c.max_tokens >= 0 && c.warmup_steps >= 0 &&
             c.val_every >= 0 && c.val_batches >= 0 && c.sample_tokens >= 0 && c.top_k >= 0,
         "step, token and batch counts must not be negative");
+  check(c.profile_out.empty() || c.profile_steps >= 1,
+        "--profile_steps must be at least 1 with --profile_out");
   check(c.val_fraction >= 0 && c.val_fraction < 1, "--val_fraction must be in [0, 1)");
   check(c.lr > 0, "--lr must be positive");
   check(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "--min_lr_ratio must be in [0, 1]");
@@ -350,6 +366,7 @@ class Trainer {
   void setup_device_and_comm();
   void setup_data();
   void setup_model_and_strategy();
+  void write_profile(int64_t total_steps);
   RankValues gather(double loss, double model_state_mib);
   double validate();
   void generate_sample();
@@ -370,6 +387,7 @@ class Trainer {
   dtrain::DataParallel* ddp_ = nullptr;
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<OpProfile> op_profile_;  // rank 0 with --profile_out
 };
 
 void Trainer::setup_device_and_comm() {
@@ -660,6 +678,7 @@ void Trainer::run() {
   if (rank0()) {
     progress_ = std::make_unique<Progress>(total_steps, epochs, c_.log_every, stdout_is_terminal());
     if (!c_.metrics_out.empty()) metrics_ = std::make_unique<MetricsWriter>(c_.metrics_out);
+    if (!c_.profile_out.empty()) op_profile_ = std::make_unique<OpProfile>();
   }
   auto base_line = [&](const char* kind, int64_t step, int64_t epoch) {
     JsonLine j;
@@ -683,6 +702,12 @@ void Trainer::run() {
       for (auto& group : opt.param_groups()) {
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
       }
+      // --profile_out: record this step's operators, between the same two clock reads as
+      // step_time (the recorder is set up before t0 and removed after the step is timed).
+      const bool profiled = op_profile_ && step >= kProfileWarmupSteps &&
+                            step < kProfileWarmupSteps + c_.profile_steps;
+      std::optional<OpRecorder> recorder;
+      if (profiled) recorder.emplace(*op_profile_);
       const auto t0 = Clock::now();
       opt.zero_grad();
       double local_loss = 0, comm_wait = 0, comm_total = 0;
@@ -710,7 +735,12 @@ void Trainer::run() {
       opt.step();
       sync_device();
       const double step_time = seconds_since(t0);
+      recorder.reset();
       ++step;
+      if (profiled) {
+        op_profile_->add_step(step_time);
+        if (op_profile_->steps() == c_.profile_steps) write_profile(total_steps);
+      }
 
       const double state_mib =
           static_cast<double>(strategy_->model_state_bytes(optimizer_state(opt))) / kMiB;
@@ -781,8 +811,25 @@ void Trainer::run() {
                   "peak RSS {:.0f} MiB (max over ranks)",
                   step, format_duration(seconds_since(run_start)), last_loss, last_val,
                   last_grad_norm, max_rss));
+  if (op_profile_ && op_profile_->steps() < c_.profile_steps) write_profile(total_steps);
   generate_sample();
   if (comm_ && info_.world_size > 1) comm_->barrier_sync();  // no rank leaves a peer waiting
+}
+
+// Rank 0 with --profile_out: once the profiled steps are done, or at the end of a run too
+// short for all of them.
+void Trainer::write_profile(int64_t total_steps) {
+  op_profile_->write_json(c_.profile_out);
+  const int64_t n = op_profile_->steps();
+  if (n < c_.profile_steps) {
+    say(
+        fmt::format("profile: only {} of --profile_steps {} steps profiled (the run has {} steps, "
+                    "the first {} are warm-up); wrote {}",
+                    n, c_.profile_steps, total_steps, kProfileWarmupSteps, c_.profile_out));
+  } else {
+    say(fmt::format("profile: {} steps, {:.3f} s/step, written to {}", n,
+                    op_profile_->wall_s() / static_cast<double>(n), c_.profile_out));
+  }
 }
 
 // Parent of --nproc N: starts N copies of this program as the ranks and supervises them.

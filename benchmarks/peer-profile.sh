@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Where a training step's time goes, dtrain vs PyTorch's own (Python) training, operator by
+# operator: the same GPT-2 `tiny` runs as benchmarks/peer-comparison.sh (synthetic tokens,
+# batch 8 per rank, seed 1), each profiled over PROFILE_STEPS steps after 5 warm-up steps
+# with the same ATen RecordFunction events on both sides (gpt2_train --profile_out,
+# examples/gpt2/op_profile.h; peer_pytorch_gpt2.py --profile_out, torch.autograd.profiler).
+#   PyTorch single process, dtrain single; with DDP=1 also PyTorch DDP and dtrain ddp
+#   (Gloo, 2 ranks; rank 0 is profiled).
+# Output under ${OUT:-report/bench}: profile_<run>.json per run, their metrics .jsonl, and
+# profile.md: per run pair, the top ${TOP:-25} operators by self time (the larger of the two
+# sides), per step, then the sum of self times of all recorded operators, the measured step
+# time, and the difference (time outside every recorded operator: the Python interpreter, or
+# dtrain's own C++ between operators, waits). Profiling adds a little time per operator call
+# on both sides; compare the profiled step times with peer-comparison.sh's to see how much.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${DTRAIN_BUILD_DIR:-$root/build}"
+out="${OUT:-$root/report/bench}"
+profile_steps="${PROFILE_STEPS:-5}"
+steps=$((5 + profile_steps))
+top="${TOP:-25}"
+mkdir -p "$out"
+"$root/scripts/install-deps.sh"
+if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd=sudo
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
+fi
+train="$build/examples/gpt2/gpt2_train"
+if [ -f "$build/CMakeCache.txt" ]; then
+  # An existing build may predate --profile_out: bring the trainer up to date (a no-op if it is).
+  cmake --build "$build" -j "${DTRAIN_JOBS:-$(nproc)}" --target gpt2_train >/dev/null
+else
+  "$root/scripts/build.sh"
+fi
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1
+  --profile_steps "$profile_steps")
+py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --steps "$steps" \
+  --profile_steps "$profile_steps" "$@"; }
+py --nproc 1 --metrics_out "$out/profile_torch_single.jsonl" \
+  --profile_out "$out/profile_torch_single.json"
+"$train" "${dt[@]}" --strategy single --metrics_out "$out/profile_dtrain_single.jsonl" \
+  --profile_out "$out/profile_dtrain_single.json" >/dev/null
+pairs=("single process:torch_single:dtrain_single")
+if [ "${DDP:-0}" = 1 ]; then
+  py --nproc 2 --port 29641 --metrics_out "$out/profile_torch_ddp.jsonl" \
+    --profile_out "$out/profile_torch_ddp.json"
+  "$train" "${dt[@]}" --strategy ddp --nproc 2 --metrics_out "$out/profile_dtrain_ddp.jsonl" \
+    --profile_out "$out/profile_dtrain_ddp.json" >/dev/null
+  pairs+=("DDP, 2 ranks (rank 0):torch_ddp:dtrain_ddp")
+fi
+/usr/bin/python3 - "$out" "$top" "${pairs[@]}" <<'PY' | tee "$out/profile.md"
+import json, sys
+out, top, pairs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+print("Per-operator CPU time per step (self time: inclusive minus nested recorded operators), "
+      "GPT-2 tiny, batch 8 per rank, synthetic tokens; `calls` per step.\n")
+for pair in pairs:
+    label, a_name, b_name = pair.split(":")
+    a, b = (json.load(open(f"{out}/profile_{n}.json")) for n in (a_name, b_name))
+    pa, pb = ({o["name"]: o for o in d["ops"]} for d in (a, b))
+    na, nb = a["steps"], b["steps"]
+    def ms(d, n, name, key="self_s"):
+        return d[name][key] * 1e3 / n if name in d else 0.0
+    def calls(d, n, name):
+        return f"{d[name]['calls'] / n:g}" if name in d else "-"
+    names = sorted(set(pa) | set(pb), key=lambda k: -max(ms(pa, na, k), ms(pb, nb, k)))
+    print(f"### {label}: PyTorch {na} steps, dtrain {nb} steps\n")
+    print("| op | PyTorch ms/step | dtrain ms/step | dtrain − PyTorch (ms/step) "
+          "| PyTorch calls/step | dtrain calls/step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k in names[:top]:
+        x, y = ms(pa, na, k), ms(pb, nb, k)
+        print(f"| `{k}` | {x:.2f} | {y:.2f} | {y - x:+.2f} | {calls(pa, na, k)} | {calls(pb, nb, k)} |")
+    rest = names[top:]
+    x = sum(ms(pa, na, k) for k in rest)
+    y = sum(ms(pb, nb, k) for k in rest)
+    print(f"| other {len(rest)} ops | {x:.2f} | {y:.2f} | {y - x:+.2f} | | |")
+    sa = sum(o["self_s"] for o in a["ops"]) * 1e3 / na
+    sb = sum(o["self_s"] for o in b["ops"]) * 1e3 / nb
+    wa, wb = a["wall_s"] * 1e3 / na, b["wall_s"] * 1e3 / nb
+    ca = sum(o["calls"] for o in a["ops"]) / na
+    cb = sum(o["calls"] for o in b["ops"]) / nb
+    print(f"| **sum of self times, all recorded ops** | {sa:.2f} | {sb:.2f} | {sb - sa:+.2f} "
+          f"| {ca:g} | {cb:g} |")
+    print(f"| **measured wall time per step** | {wa:.2f} | {wb:.2f} | {wb - wa:+.2f} | | |")
+    print(f"| **outside recorded ops (wall − sum)** | {wa - sa:.2f} | {wb - sb:.2f} "
+          f"| {(wb - sb) - (wa - sa):+.2f} | | |")
+    print()
+PY
