@@ -11,9 +11,17 @@
 
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
+#include "lm_head_loss.h"
 
 namespace gpt2 {
 namespace {
+
+// at::linear, not Linear::forward: LibTorch's C++ Linear folds the bias into one addmm only
+// for 2-D input and otherwise runs a matmul plus a separate `+= bias` (and its backward
+// node); at::linear, what Python's F.linear calls, flattens [B, T, C] input into one addmm.
+at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l) {
+  return at::linear(x, l->weight, l->bias);
+}
 
 torch::nn::LayerNorm layer_norm(int64_t dim) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5));
@@ -71,7 +79,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t heads)
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
-  auto qkv = c_attn->forward(x).split(C, -1);
+  auto qkv = linear(x, c_attn).split(C, -1);
   auto to_heads = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
   at::Tensor q = to_heads(qkv[0]), k = to_heads(qkv[1]), v = to_heads(qkv[2]);
   at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
@@ -80,7 +88,7 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   // Softmax in fp32 even when the model computes in bf16 (FSDP mixed precision).
   att = at::softmax(att, -1, at::kFloat).to(v.scalar_type());
   at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, C});
-  return c_proj->forward(y);
+  return linear(y, c_proj);
 }
 
 MlpImpl::MlpImpl(int64_t dim)
@@ -88,7 +96,7 @@ MlpImpl::MlpImpl(int64_t dim)
       c_proj(register_module("c_proj", torch::nn::Linear(4 * dim, dim))) {}
 
 at::Tensor MlpImpl::forward(const at::Tensor& x) {
-  return c_proj->forward(at::gelu(c_fc->forward(x), "tanh"));
+  return linear(at::gelu(linear(x, c_fc), "tanh"), c_proj);
 }
 
 BlockImpl::BlockImpl(int64_t dim, int64_t heads)
@@ -141,6 +149,16 @@ void GptImpl::reset_parameters() {
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& idx) {
+  // The LM head is the token embedding, transposed: no second parameter.
+  return at::linear(hidden(idx), wte->weight);
+}
+
+at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool fused) {
+  return fused ? fused_lm_loss(hidden(idx), wte->weight, targets)
+               : lm_loss(forward(idx), targets);
+}
+
+at::Tensor GptImpl::hidden(const at::Tensor& idx) {
   const int64_t T = idx.size(1);
   if (T > config_.context) {
     throw dtrain::InvalidArgument(fmt::format(
@@ -152,8 +170,7 @@ at::Tensor GptImpl::forward(const at::Tensor& idx) {
     // A no-op wrapper except under FSDP, where it gathers and frees the block's weights.
     x = dtrain::unit_call(*block, [&] { return block->forward(x); });
   }
-  // The LM head is the token embedding, transposed: no second parameter.
-  return at::linear(ln_f->forward(x), wte->weight);
+  return ln_f->forward(x);
 }
 
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {

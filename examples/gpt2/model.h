@@ -86,6 +86,14 @@ struct GptImpl : torch::nn::Module {
   // parameters' dtype.
   at::Tensor forward(const at::Tensor& idx);
 
+  // The final LayerNorm's output [B, T, dim]: forward(idx) is its product with wte^T.
+  at::Tensor hidden(const at::Tensor& idx);
+
+  // Mean cross-entropy of the next-token prediction: lm_loss(forward(idx), targets), or with
+  // `fused` the same loss through fused_lm_loss (lm_head_loss.h), which never materializes
+  // the [B, T, vocab] logits.
+  at::Tensor loss(const at::Tensor& idx, const at::Tensor& targets, bool fused = true);
+
   // GPT-2's initialization: Linear and Embedding weights ~ N(0, 0.02), the residual
   // projections (attn.c_proj, mlp.c_proj) ~ N(0, 0.02 / sqrt(2 * layers)), biases 0,
   // LayerNorm weight 1 and bias 0.

@@ -128,6 +128,11 @@ ABSL_FLAG(std::string, precision, "fp32",
           "compute in bf16/fp16 from fp32 shards; fp32 optimizer). single and ddp support "
           "fp32 only (use --comm_hook bf16 for cheaper DDP communication). fp16 needs "
           "--device cuda and has no loss scaling.");
+ABSL_FLAG(std::string, loss, "fused",
+          "How the LM head's cross-entropy is computed. fused: chunk by chunk of rows with the "
+          "gradients formed in place, never materializing the [batch, context, vocab] logits "
+          "(examples/gpt2/lm_head_loss.h) | standard: logits, then cross_entropy (autograd "
+          "through both). Same loss and gradients up to fp32 rounding.");
 ABSL_FLAG(std::string, comm_hook, "allreduce",
           "How gradients are reduced. ddp: allreduce (average in fp32) | fp16 | bf16 (compress "
           "to 16 bits on the wire) | ps (parameter server: rank 0 gathers, averages and "
@@ -195,7 +200,7 @@ fs::path data_dir() {
 
 // Everything the flags say, checked before any rank starts.
 struct Config {
-  std::string strategy, device, precision, comm_hook, sharding, prefetch, data, tokenizer;
+  std::string strategy, device, precision, loss, comm_hook, sharding, prefetch, data, tokenizer;
   std::string vocab_dir, metrics_out, profile_out, prompt, model;
   GptConfig gpt;
   int64_t vocab = 0, batch = 0, grad_accum = 1, epochs = 1, steps = 0, steps_per_epoch = 0;
@@ -212,6 +217,7 @@ Config config_from_flags() {
   c.strategy = absl::GetFlag(FLAGS_strategy);
   c.device = absl::GetFlag(FLAGS_device);
   c.precision = absl::GetFlag(FLAGS_precision);
+  c.loss = absl::GetFlag(FLAGS_loss);
   c.comm_hook = absl::GetFlag(FLAGS_comm_hook);
   c.sharding = absl::GetFlag(FLAGS_sharding);
   c.prefetch = absl::GetFlag(FLAGS_prefetch);
@@ -259,6 +265,7 @@ Config config_from_flags() {
         "--strategy must be single, ddp or fsdp, got '" + c.strategy + "'");
   check(one_of(c.device, {"cpu", "cuda"}), "--device must be cpu or cuda");
   check(one_of(c.precision, {"fp32", "bf16", "fp16"}), "--precision must be fp32, bf16 or fp16");
+  check(one_of(c.loss, {"fused", "standard"}), "--loss must be fused or standard");
   check(one_of(c.comm_hook, {"allreduce", "fp16", "bf16", "ps"}),
         "--comm_hook must be allreduce, fp16, bf16 or ps");
   check(one_of(c.sharding, {"full", "grad_op", "no_shard", "hybrid"}),
@@ -319,6 +326,16 @@ double learning_rate(const Config& c, int64_t step, int64_t total_steps) {
   const double span = static_cast<double>(std::max<int64_t>(1, total_steps - c.warmup_steps));
   const double progress = std::min(1.0, static_cast<double>(step - c.warmup_steps) / span);
   return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + std::cos(M_PI * progress)));
+}
+
+// Resets gradients to undefined, as LibTorch 2.x's zero_grad() does by default (1.13's fills
+// them with zeros): backward then keeps each fresh gradient as it is instead of adding it to
+// zeros. DataParallel points .grad back into its buckets before the next backward, and FSDP
+// stores its reduced shard, so every strategy supports it.
+void zero_grad_to_none(torch::optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params()) p.mutable_grad().reset();
+  }
 }
 
 std::vector<at::Tensor> optimizer_state(torch::optim::AdamW& opt) {
@@ -584,7 +601,7 @@ double Trainer::validate() {
   for (int64_t i = 0; i < n; ++i) {
     Batch b = load_batch(val_tokens_, *val_sampler_, i);
     at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
-    at::Tensor loss = strategy_->forward([&] { return lm_loss(model_->forward(x), y); });
+    at::Tensor loss = strategy_->forward([&] { return model_->loss(x, y, c_.loss == "fused"); });
     sum += loss.item<double>();
   }
   double mean = sum / static_cast<double>(std::max<int64_t>(n, 1));
@@ -709,14 +726,14 @@ void Trainer::run() {
       std::optional<OpRecorder> recorder;
       if (profiled) recorder.emplace(*op_profile_);
       const auto t0 = Clock::now();
-      opt.zero_grad();
+      zero_grad_to_none(opt);
       double local_loss = 0, comm_wait = 0, comm_total = 0;
       int64_t collectives = 0;
       for (int64_t m = 0; m < c_.grad_accum; ++m) {
         Batch b = load_batch(train_tokens_, *train_sampler_, s * c_.grad_accum + m);
         at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
         auto micro_step = [&] {
-          at::Tensor loss = strategy_->forward([&] { return lm_loss(model_->forward(x), y); });
+          at::Tensor loss = strategy_->forward([&] { return model_->loss(x, y, c_.loss == "fused"); });
           local_loss += loss.item<double>() / static_cast<double>(c_.grad_accum);
           strategy_->backward(c_.grad_accum > 1 ? loss / static_cast<double>(c_.grad_accum) : loss);
           comm_wait += strategy_->last_step_stats().comm_wait_s;

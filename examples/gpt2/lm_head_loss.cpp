@@ -1,0 +1,159 @@
+#include "lm_head_loss.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "dtrain/errors.h"
+
+namespace gpt2 {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Bigger chunks make the three matmuls per chunk more efficient (the weight-gradient one
+// has the chunk's rows as its inner dimension) at the cost of two chunk-sized buffers.
+constexpr int64_t kChunkBytes = int64_t{128} << 20;
+// Below this a probability is treated as underflowed (FLT_MIN is 1.2e-38).
+constexpr float kTiny = 1e-30f;
+
+struct Pass {
+  at::Tensor loss;         // fp32 scalar
+  at::Tensor grad_hidden;  // [N, D] in hidden's dtype, d loss / d hidden; undefined if not asked
+  at::Tensor grad_weight;  // [V, D] in weight's dtype
+};
+
+// One pass over the rows of h [N, D] in chunks. With `grads`, also the gradients of the mean
+// loss, for the chunk while its logits are at hand.
+Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, int64_t chunk,
+                bool grads) {
+  const int64_t N = h.size(0);
+  const int64_t V = w.size(0);
+  const double inv_n = 1.0 / static_cast<double>(N);
+  const bool fp32 = h.scalar_type() == at::kFloat;
+  const auto f32 = h.options().dtype(at::kFloat);
+  const int64_t rows = std::min(chunk, N);
+  // Reused by every chunk: fresh [rows, V] tensors would cost a page fault per 4 KiB each.
+  at::Tensor logits_buf = at::empty({rows, V}, f32);
+  at::Tensor probs_buf = at::empty({rows, V}, f32);
+  at::Tensor w_t = w.t();
+  at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kDouble));
+  Pass out;
+  at::Tensor grad_w32;
+  if (grads) {
+    out.grad_hidden = at::empty_like(h);
+    grad_w32 = at::zeros({V, w.size(1)}, f32);
+  }
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t c = std::min(rows, N - r0);
+    at::Tensor hc = h.narrow(0, r0, c);
+    at::Tensor tc = t.narrow(0, r0, c).unsqueeze(1);
+    at::Tensor z = logits_buf.narrow(0, 0, c);
+    at::Tensor p = probs_buf.narrow(0, 0, c);
+    if (fp32) {
+      at::mm_out(z, hc, w_t);
+    } else {
+      z.copy_(at::mm(hc, w_t));  // logits in the inputs' dtype, softmax in fp32
+    }
+    // One exp per logit: the softmax (row max, exp and sum, scale, each row while it is in
+    // cache), and the loss from it as -log p[target]. Where p[target] underflows (the target's
+    // logit more than ~87 below the row's largest), that row's loss is recomputed exactly
+    // from the logits as logsumexp - logit.
+    at::_softmax_out(p, z, 1, false);
+    at::Tensor pt = p.gather(1, tc).squeeze(1);
+    at::Tensor row_loss = pt.clamp_min(kTiny).log_().neg_();
+    at::Tensor tiny_rows = (pt < kTiny).nonzero().squeeze(1);
+    if (tiny_rows.numel() > 0) {
+      at::Tensor zr = z.index_select(0, tiny_rows);
+      row_loss.index_copy_(
+          0, tiny_rows,
+          at::logsumexp(zr, 1) - zr.gather(1, tc.index_select(0, tiny_rows)).squeeze(1));
+    }
+    loss_sum.add_(row_loss.sum(at::kDouble));
+    if (!grads) continue;
+    // d(sum of the chunk's losses)/d logits = softmax - one_hot(target), in place.
+    at::Tensor dz = p;
+    dz.scatter_add_(1, tc, at::full({c, 1}, -1.0f, f32));
+    at::Tensor gh = out.grad_hidden.narrow(0, r0, c);
+    if (fp32) {
+      at::addmm_out(gh, gh, dz, w, 0.0, inv_n);  // beta 0: gh's old contents are ignored
+      grad_w32.addmm_(dz.t(), hc, 1.0, inv_n);
+    } else {
+      gh.copy_(at::mm(dz.to(w.scalar_type()), w).mul_(inv_n));
+      grad_w32.addmm_(dz.t(), hc.to(at::kFloat), 1.0, inv_n);
+    }
+  }
+  out.loss = loss_sum.mul_(inv_n).to(at::kFloat);
+  if (grads) out.grad_weight = fp32 ? grad_w32 : grad_w32.to(w.scalar_type());
+  return out;
+}
+
+struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
+                            const at::Tensor& t, int64_t chunk) {
+    Pass p = run_chunks(h, w, t, chunk, /*grads=*/true);
+    ctx->saved_data["grad_hidden"] = p.grad_hidden;
+    ctx->saved_data["grad_weight"] = p.grad_weight;
+    return p.loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    at::Tensor gh = ctx->saved_data["grad_hidden"].toTensor();
+    at::Tensor gw = ctx->saved_data["grad_weight"].toTensor();
+    ctx->saved_data.clear();
+    const at::Tensor& g = grad_out[0];
+    // loss.backward() seeds 1: the saved gradients are already the answer.
+    const bool one = g.device().is_cpu() && g.item<double>() == 1.0;
+    if (!one) {
+      gh = gh * g.to(gh.scalar_type());
+      gw = gw * g.to(gw.scalar_type());
+    }
+    return {gh, gw, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
+                         const at::Tensor& targets, int64_t chunk_rows) {
+  const int64_t D = hidden.size(-1);
+  if (weight.dim() != 2 || weight.size(1) != D || weight.scalar_type() != hidden.scalar_type() ||
+      !at::isFloatingType(hidden.scalar_type())) {
+    throw dtrain::InvalidArgument(fmt::format(
+        "fused_lm_loss: hidden [..., D] and weight [V, D] must share D and a floating dtype, "
+        "got hidden {} {} and weight {} {}",
+        c10::str(hidden.sizes()), c10::toString(hidden.scalar_type()), c10::str(weight.sizes()),
+        c10::toString(weight.scalar_type())));
+  }
+  const int64_t N = hidden.numel() / std::max<int64_t>(D, 1);
+  if (targets.scalar_type() != at::kLong || targets.numel() != N || N == 0) {
+    throw dtrain::InvalidArgument(fmt::format(
+        "fused_lm_loss: targets must be {} int64 values (one per row of hidden), got {} {}", N,
+        c10::str(targets.sizes()), c10::toString(targets.scalar_type())));
+  }
+  if (chunk_rows < 0) throw dtrain::InvalidArgument("fused_lm_loss: chunk_rows must be >= 0");
+  const int64_t V = weight.size(0);
+  int64_t chunk = chunk_rows;
+  if (chunk == 0) {  // equal chunks of at most kChunkBytes of fp32 logits
+    const int64_t max_rows = std::max<int64_t>(1, kChunkBytes / (4 * std::max<int64_t>(V, 1)));
+    const int64_t chunks = (N + max_rows - 1) / max_rows;
+    chunk = (N + chunks - 1) / chunks;
+  }
+  at::Tensor h = hidden.reshape({N, D}).contiguous();
+  at::Tensor t = targets.reshape({N}).contiguous();
+  const bool grads =
+      c10::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
+  if (!grads) {
+    c10::NoGradGuard no_grad;
+    return run_chunks(h, weight, t, chunk, /*grads=*/false).loss;
+  }
+  return FusedLmLoss::apply(h, weight, t, chunk);
+}
+
+}  // namespace gpt2

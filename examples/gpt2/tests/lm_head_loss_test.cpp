@@ -1,0 +1,123 @@
+// fused_lm_loss against the unfused reference (logits, then cross_entropy, autograd through
+// both): loss and the gradients reaching hidden (through an upstream op) and the weight.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "dtrain/errors.h"
+#include "lm_head_loss.h"
+#include "model.h"
+
+namespace gpt2 {
+namespace {
+
+struct Grads {
+  at::Tensor loss, upstream, weight;
+};
+
+// hidden = x @ a (so hidden's gradient is checked through a's), logits = hidden @ w^T.
+Grads run(bool fused, const at::Tensor& x, const at::Tensor& a0, const at::Tensor& w0,
+          const at::Tensor& targets, int64_t chunk, double scale = 1.0) {
+  at::Tensor a = a0.clone().requires_grad_(true);
+  at::Tensor w = w0.clone().requires_grad_(true);
+  at::Tensor hidden = at::matmul(x, a);
+  at::Tensor loss =
+      fused ? fused_lm_loss(hidden, w, targets, chunk) : lm_loss(at::linear(hidden, w), targets);
+  (loss * scale).backward();
+  return {loss.detach(), a.grad(), w.grad()};
+}
+
+void expect_close(const at::Tensor& got, const at::Tensor& want, double rtol, double atol,
+                  const char* what) {
+  const double err = (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>();
+  const double bound = atol + rtol * want.to(at::kDouble).abs().max().item<double>();
+  EXPECT_LE(err, bound) << what << ": max abs difference " << err;
+}
+
+class FusedLmLoss : public ::testing::TestWithParam<std::tuple<int64_t, double>> {};
+
+TEST_P(FusedLmLoss, MatchesUnfusedLossAndGradients) {
+  const auto [chunk, scale] = GetParam();
+  at::manual_seed(3);
+  const int64_t B = 3, T = 13, D = 24, V = 101;  // 39 rows: chunks of 8 leave 7
+  at::Tensor x = at::randn({B, T, D});
+  at::Tensor a = at::randn({D, D}) * 0.3;
+  at::Tensor w = at::randn({V, D}) * 0.5;
+  at::Tensor targets = at::randint(V, {B, T}, at::kLong);
+  Grads ref = run(false, x, a, w, targets, 0, scale);
+  Grads got = run(true, x, a, w, targets, chunk, scale);
+  EXPECT_EQ(got.loss.scalar_type(), at::kFloat);
+  EXPECT_EQ(got.loss.dim(), 0);
+  expect_close(got.loss, ref.loss, 1e-6, 0, "loss");
+  expect_close(got.upstream, ref.upstream, 1e-5, 1e-7, "gradient through hidden");
+  expect_close(got.weight, ref.weight, 1e-5, 1e-7, "weight gradient");
+}
+
+INSTANTIATE_TEST_SUITE_P(ChunksAndSeeds, FusedLmLoss,
+                         ::testing::Values(std::make_tuple(int64_t{0}, 1.0),   // one chunk
+                                           std::make_tuple(int64_t{8}, 1.0),   // 5 chunks
+                                           std::make_tuple(int64_t{1}, 1.0),   // row by row
+                                           std::make_tuple(int64_t{8}, 2.5)),  // seed != 1
+                         [](const auto& info) {
+                           return "chunk" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) == 1.0 ? "" : "_scaled");
+                         });
+
+TEST(FusedLmLossNoGrad, LossOnlyAndSameValue) {
+  at::manual_seed(4);
+  at::Tensor h = at::randn({20, 16});
+  at::Tensor w = at::randn({50, 16}).requires_grad_(true);
+  at::Tensor t = at::randint(50, {20}, at::kLong);
+  at::Tensor want = lm_loss(at::linear(h, w), t).detach();
+  at::NoGradGuard no_grad;
+  at::Tensor got = fused_lm_loss(h, w, t, 7);
+  EXPECT_FALSE(got.requires_grad());
+  expect_close(got, want, 1e-6, 0, "loss");
+}
+
+// A target whose probability underflows fp32 (logit 200 below the row's largest): the loss
+// must stay finite and exact, from the logits instead of log(0).
+TEST(FusedLmLossUnderflow, ExactLossWhenTargetProbabilityUnderflows) {
+  at::Tensor h = at::tensor({1.0f, 1.0f, -1.0f}).view({3, 1});
+  at::Tensor w = at::tensor({200.0f, 0.0f, 0.5f}).view({3, 1});
+  at::Tensor t =
+      at::tensor({int64_t{1}, int64_t{0}, int64_t{2}});  // row 0: p = exp(-200) = 0 in fp32
+  Grads ref = run(false, h, at::ones({1, 1}), w, t, 0);
+  Grads got = run(true, h, at::ones({1, 1}), w, t, 2);
+  ASSERT_TRUE(std::isfinite(got.loss.item<double>()));
+  expect_close(got.loss, ref.loss, 1e-6, 0, "loss");
+  expect_close(got.weight, ref.weight, 1e-5, 1e-7, "weight gradient");
+}
+
+TEST(FusedLmLossBf16, CloseToUnfusedInBf16) {
+  at::manual_seed(5);
+  at::Tensor x = at::randn({2, 9, 32}).to(at::kBFloat16);
+  at::Tensor a = (at::randn({32, 32}) * 0.2).to(at::kBFloat16);
+  at::Tensor w = (at::randn({77, 32}) * 0.5).to(at::kBFloat16);
+  at::Tensor t = at::randint(77, {2, 9}, at::kLong);
+  Grads ref = run(false, x, a, w, t, 0);
+  Grads got = run(true, x, a, w, t, 4);
+  EXPECT_EQ(got.weight.scalar_type(), at::kBFloat16);
+  // bf16 keeps 8 bits of mantissa; the fused path accumulates the weight gradient in fp32.
+  expect_close(got.loss, ref.loss, 1e-3, 0, "loss");
+  expect_close(got.upstream, ref.upstream, 2e-2, 1e-3, "gradient through hidden");
+  expect_close(got.weight, ref.weight, 2e-2, 1e-3, "weight gradient");
+}
+
+TEST(FusedLmLossArgs, RejectsMismatchedShapes) {
+  at::Tensor h = at::randn({4, 8});
+  at::Tensor w = at::randn({10, 8});
+  EXPECT_THROW(fused_lm_loss(h, at::randn({10, 7}), at::zeros({4}, at::kLong)),
+               dtrain::InvalidArgument);
+  EXPECT_THROW(fused_lm_loss(h, w, at::zeros({5}, at::kLong)), dtrain::InvalidArgument);
+  EXPECT_THROW(fused_lm_loss(h, w, at::zeros({4}, at::kInt)), dtrain::InvalidArgument);
+  EXPECT_THROW(fused_lm_loss(h, w.to(at::kDouble), at::zeros({4}, at::kLong)),
+               dtrain::InvalidArgument);
+  EXPECT_THROW(fused_lm_loss(h, w, at::zeros({4}, at::kLong), -1), dtrain::InvalidArgument);
+}
+
+}  // namespace
+}  // namespace gpt2
