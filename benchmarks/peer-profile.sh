@@ -4,7 +4,9 @@
 # batch 8 per rank, seed 1), each profiled over PROFILE_STEPS steps after 5 warm-up steps
 # with the same ATen RecordFunction events on both sides (gpt2_train --profile_out,
 # examples/gpt2/op_profile.h; peer_pytorch_gpt2.py --profile_out, torch.autograd.profiler).
-#   PyTorch single process, dtrain single; with DDP=1 also PyTorch DDP and dtrain ddp
+#   PyTorch single process, dtrain single with --loss standard (the same model code as
+#   PyTorch's script) and with its default fused LM-head loss; with DDP=1 also PyTorch DDP
+#   and dtrain ddp
 #   (Gloo, 2 ranks; rank 0 is profiled).
 # Output under ${OUT:-report/bench}: profile_<run>.json per run, their metrics .jsonl, and
 # profile.md: per run pair, the top ${TOP:-25} operators by self time (the larger of the two
@@ -40,9 +42,13 @@ py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --step
   --profile_steps "$profile_steps" "$@"; }
 py --nproc 1 --metrics_out "$out/profile_torch_single.jsonl" \
   --profile_out "$out/profile_torch_single.json"
+"$train" "${dt[@]}" --strategy single --loss standard \
+  --metrics_out "$out/profile_dtrain_single_std.jsonl" \
+  --profile_out "$out/profile_dtrain_single_std.json" >/dev/null
 "$train" "${dt[@]}" --strategy single --metrics_out "$out/profile_dtrain_single.jsonl" \
   --profile_out "$out/profile_dtrain_single.json" >/dev/null
-pairs=("single process:torch_single:dtrain_single")
+pairs=("single process, dtrain with the same model code (--loss standard):torch_single:dtrain_single_std"
+  "single process, dtrain with its default fused LM-head loss:torch_single:dtrain_single")
 if [ "${DDP:-0}" = 1 ]; then
   py --nproc 2 --port 29641 --metrics_out "$out/profile_torch_ddp.jsonl" \
     --profile_out "$out/profile_torch_ddp.json"
