@@ -3,9 +3,10 @@
 // Bucket size trades per-collective latency (many small buckets) against overlap (one
 // big bucket can only be launched when almost all of backward is done). Each benchmark
 // trains the GPT-2 model (default: the `tiny` preset) with DataParallel and one
-// bucket_cap_mb, one intra-op thread per rank, on uniform random tokens, AdamW as the
-// example trainer uses it; an iteration is one optimizer step (forward, loss, backward
-// with its bucketed all-reduce, optimizer step), timed on rank 0 between barriers.
+// bucket_cap_mb, one intra-op thread per rank, on uniform random tokens, with the loss
+// (--loss, default fused) and AdamW as the example trainer uses them; an iteration is one
+// optimizer step (forward, loss, backward with its bucketed all-reduce, optimizer step),
+// timed on rank 0 between barriers.
 // Warm-up steps run first, so the timed steps use the rebuilt (ready-order) buckets.
 //
 // Reported per bucket_cap_mb: the step time (manual time), tokens/s over all ranks,
@@ -46,6 +47,7 @@ struct Config {
   double first_bucket_cap_mb = 1.0;
   int64_t warmup = 3;
   int64_t steps = 10;
+  std::string loss = "fused";
   int64_t corrupt_rank = -1;
 };
 
@@ -118,7 +120,7 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, d
       at::Tensor x = tokens[i].narrow(1, 0, T);
       at::Tensor y = tokens[i].narrow(1, 1, T);
       opt.zero_grad();
-      at::Tensor loss = ddp.forward([&] { return gpt2::lm_loss(model->forward(x), y); });
+      at::Tensor loss = ddp.forward([&] { return model->loss(x, y, cfg.loss == "fused"); });
       ddp.backward(loss);
       opt.step();
     };
@@ -181,12 +183,17 @@ int main(int argc, char** argv) {
             "DataParallelOptions::first_bucket_cap_mb (capped at bucket_cap_mb)");
   flags.add("warmup", &cfg.warmup, "untimed steps first (the buckets are rebuilt after the 1st)");
   flags.add("steps", &cfg.steps, "timed steps per bucket size (same on every rank)");
+  flags.add("loss", &cfg.loss,
+            "fused (the example's default, lm_head_loss.h) | standard (logits + cross_entropy)");
   flags.add("corrupt_rank", &cfg.corrupt_rank,
             "testing hook: this rank perturbs a parameter before verification (must fail)");
 
   return bench_main(argc, argv, flags, [&cfg](dtrain::Communicator& comm) {
     if (cfg.batch < 1 || cfg.steps < 1 || cfg.warmup < 1) {
       throw std::invalid_argument("--batch, --steps and --warmup must be >= 1");
+    }
+    if (cfg.loss != "fused" && cfg.loss != "standard") {
+      throw std::invalid_argument("--loss must be fused or standard");
     }
     if (!(cfg.first_bucket_cap_mb > 0)) {
       throw std::invalid_argument("--first_bucket_cap_mb must be > 0");

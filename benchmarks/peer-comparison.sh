@@ -13,15 +13,9 @@ out="${OUT:-$root/report/bench}"
 steps="${STEPS:-25}"
 repeats="${REPEATS:-2}"
 mkdir -p "$out"
-"$root/scripts/install-deps.sh"
-if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-  sudo_cmd=""
-  [ "$(id -u)" -ne 0 ] && sudo_cmd=sudo
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
-fi
+. "$root/benchmarks/peer-setup.sh"
 train="$build/examples/gpt2/gpt2_train"
 [ -x "$train" ] || "$root/scripts/build.sh"
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1)
 py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --steps "$steps" "$@"; }
 # dtrain runs twice per strategy: with the model code PyTorch's script runs (--loss standard:

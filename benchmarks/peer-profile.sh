@@ -22,12 +22,7 @@ profile_steps="${PROFILE_STEPS:-5}"
 steps=$((5 + profile_steps))
 top="${TOP:-25}"
 mkdir -p "$out"
-"$root/scripts/install-deps.sh"
-if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-  sudo_cmd=""
-  [ "$(id -u)" -ne 0 ] && sudo_cmd=sudo
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
-fi
+. "$root/benchmarks/peer-setup.sh"
 train="$build/examples/gpt2/gpt2_train"
 if [ -f "$build/CMakeCache.txt" ]; then
   # An existing build may predate --profile_out: bring the trainer up to date (a no-op if it is).
@@ -35,7 +30,6 @@ if [ -f "$build/CMakeCache.txt" ]; then
 else
   "$root/scripts/build.sh"
 fi
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1
   --profile_steps "$profile_steps")
 py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --steps "$steps" \

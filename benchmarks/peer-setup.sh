@@ -1,0 +1,11 @@
+# Sourced by the peer scripts (peer-comparison.sh, peer-profile.sh) with $root set: installs
+# dtrain's dependencies and the peer, Debian's python3-torch (PyTorch 1.13, run with
+# /usr/bin/python3), if they are missing, and makes OpenMP threads sleep when idle (spinning
+# threads distort timings on shared cores).
+"$root/scripts/install-deps.sh"
+if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd=sudo
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
+fi
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
