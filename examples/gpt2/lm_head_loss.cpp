@@ -104,6 +104,13 @@ struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_out) {
+    // The gradients are released after the first backward (51 MB for GPT-2's embedding):
+    // a second backward through the same graph has nothing to return.
+    if (ctx->saved_data.find("grad_hidden") == ctx->saved_data.end()) {
+      throw dtrain::Error(
+          "fused_lm_loss: backward through the same loss twice is not supported (its "
+          "gradients are computed in forward and released by the first backward)");
+    }
     at::Tensor gh = ctx->saved_data["grad_hidden"].toTensor();
     at::Tensor gw = ctx->saved_data["grad_weight"].toTensor();
     ctx->saved_data.clear();

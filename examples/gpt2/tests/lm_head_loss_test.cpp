@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include "dtrain/errors.h"
@@ -105,6 +107,19 @@ TEST(FusedLmLossBf16, CloseToUnfusedInBf16) {
   expect_close(got.loss, ref.loss, 1e-3, 0, "loss");
   expect_close(got.upstream, ref.upstream, 2e-2, 1e-3, "gradient through hidden");
   expect_close(got.weight, ref.weight, 2e-2, 1e-3, "weight gradient");
+}
+
+TEST(FusedLmLossArgs, SecondBackwardThroughTheSameLossIsAnError) {
+  at::Tensor h = at::randn({4, 8}).requires_grad_(true);
+  at::Tensor w = at::randn({10, 8}).requires_grad_(true);
+  at::Tensor loss = fused_lm_loss(h, w, at::zeros({4}, at::kLong));
+  loss.backward({}, /*retain_graph=*/true);
+  try {
+    loss.backward();
+    FAIL() << "second backward did not throw";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("twice"), std::string::npos) << e.what();
+  }
 }
 
 TEST(FusedLmLossArgs, RejectsMismatchedShapes) {
