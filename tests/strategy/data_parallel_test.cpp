@@ -79,6 +79,29 @@ std::vector<Case> cases() {
              c.first_bucket_mb = 0.001;
            }),
       make("mlp_no_sync_accumulation", [](Case& c) { c.accumulate = true; }),
+      // Gradients reset to none between steps (LibTorch 2.x's zero_grad() default, and the
+      // GPT-2 trainer's): DDP brings them back into its buckets, also under no_sync.
+      make("mlp_no_sync_accumulation_set_to_none",
+           [](Case& c) {
+             c.accumulate = true;
+             c.set_to_none = true;
+           }),
+      make("transformer_small_buckets_set_to_none",
+           [](Case& c) {
+             c.model = Model::kTransformer;
+             c.bucket_mb = 0.004;
+             c.first_bucket_mb = 0.001;
+             c.set_to_none = true;
+           }),
+      // Without find_unused_parameters an unused parameter gets a zero gradient (momentum
+      // still moves it), unlike single-device training's none: only with the flag do
+      // they match.
+      make("mlp_unused_sgd_find_unused_set_to_none",
+           [](Case& c) {
+             c.skip_extra = true;
+             c.find_unused = true;
+             c.set_to_none = true;
+           }),
       make("mlp_unused_sgd", [](Case& c) { c.skip_extra = true; }),
       make("mlp_unused_adamw_find_unused",
            [](Case& c) {
