@@ -97,70 +97,64 @@ bool replicas_equal(Communicator& comm, const std::vector<at::Tensor>& params) {
 
 void run(benchmark::State& state, const std::string& name, Communicator& comm, double cap_mb,
          const Config& cfg) {
-  if (skip_after_comm_failure(state)) return;
-  try {
-    const gpt2::GptConfig g = model_config(cfg);
-    at::manual_seed(1);  // the same initial weights for every bucket size
-    gpt2::Gpt model(g);
-    DataParallelOptions options;
-    options.bucket_cap_mb = cap_mb;
-    options.first_bucket_cap_mb = std::min(cfg.first_bucket_cap_mb, cap_mb);
-    // Non-owning: bench_main keeps the communicator alive until every benchmark has run.
-    DataParallel ddp(std::static_pointer_cast<torch::nn::Module>(model.ptr()),
-                     CommunicatorPtr(&comm, [](Communicator*) {}), options);
-    torch::optim::AdamW opt(ddp.parameters(),
-                            torch::optim::AdamWOptions(3e-4).betas({0.9, 0.95}).weight_decay(0.1));
-    // Different tokens on each rank and step, drawn up front.
-    at::manual_seed(1000 + static_cast<uint64_t>(comm.rank()));
-    const int64_t T = g.context;
-    const int64_t total = cfg.warmup + cfg.steps;
-    at::Tensor tokens = at::randint(g.vocab_size, {total, cfg.batch, T + 1}, at::kLong);
+  const gpt2::GptConfig g = model_config(cfg);
+  at::manual_seed(1);  // the same initial weights for every bucket size
+  gpt2::Gpt model(g);
+  DataParallelOptions options;
+  options.bucket_cap_mb = cap_mb;
+  options.first_bucket_cap_mb = std::min(cfg.first_bucket_cap_mb, cap_mb);
+  // Non-owning: bench_main keeps the communicator alive until every benchmark has run.
+  DataParallel ddp(std::static_pointer_cast<torch::nn::Module>(model.ptr()),
+                   CommunicatorPtr(&comm, [](Communicator*) {}), options);
+  torch::optim::AdamW opt(ddp.parameters(),
+                          torch::optim::AdamWOptions(3e-4).betas({0.9, 0.95}).weight_decay(0.1));
+  // Different tokens on each rank and step, drawn up front.
+  at::manual_seed(1000 + static_cast<uint64_t>(comm.rank()));
+  const int64_t T = g.context;
+  const int64_t total = cfg.warmup + cfg.steps;
+  at::Tensor tokens = at::randint(g.vocab_size, {total, cfg.batch, T + 1}, at::kLong);
 
-    auto step = [&](int64_t i) {
-      at::Tensor x = tokens[i].narrow(1, 0, T);
-      at::Tensor y = tokens[i].narrow(1, 1, T);
-      opt.zero_grad();
-      at::Tensor loss = ddp.forward([&] { return model->loss(x, y, cfg.loss == "fused"); });
-      ddp.backward(loss);
-      opt.step();
-    };
-    for (int64_t i = 0; i < cfg.warmup; ++i) step(i);
+  auto step = [&](int64_t i) {
+    at::Tensor x = tokens[i].narrow(1, 0, T);
+    at::Tensor y = tokens[i].narrow(1, 1, T);
+    opt.zero_grad();
+    at::Tensor loss = ddp.forward([&] { return model->loss(x, y, cfg.loss == "fused"); });
+    ddp.backward(loss);
+    opt.step();
+  };
+  for (int64_t i = 0; i < cfg.warmup; ++i) step(i);
 
-    double step_s = 0, wait_s = 0, total_s = 0;
-    int64_t i = cfg.warmup;
-    for (auto _ : state) {
-      comm.barrier()->wait();
-      const auto t0 = std::chrono::steady_clock::now();
-      step(i++);
-      const double dt =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      state.SetIterationTime(dt);
-      step_s += dt;
-      wait_s += ddp.last_step_stats().comm_wait_s;
-      total_s += ddp.last_step_stats().comm_total_s;
-    }
-
-    if (comm.rank() == cfg.corrupt_rank) {  // test hook: must be caught
-      at::NoGradGuard no_grad;
-      ddp.parameters().front().view(-1)[0] += 1;
-    }
-    std::string failed;
-    if (!all_ranks_ok(comm, replicas_equal(comm, ddp.parameters()), &failed)) {
-      fail(state, comm, name,
-           "verification failed: parameters differ from rank 0's on rank(s) " + failed);
-      return;
-    }
-    const double k = static_cast<double>(state.iterations());
-    const double tokens_per_step = static_cast<double>(cfg.batch * T * comm.world_size());
-    state.counters["bucket_cap_mb"] = cap_mb;
-    state.counters["buckets"] = static_cast<double>(ddp.bucket_assignment().size());
-    state.counters["comm_total_ms"] = total_s / k * 1e3;
-    state.counters["comm_wait_ms"] = wait_s / k * 1e3;
-    state.counters["hidden"] = total_s > 0 ? 1.0 - wait_s / total_s : 0.0;
-    state.counters["tokens_per_s"] = tokens_per_step * k / step_s;
-  } catch (const std::exception& e) {
-    fail(state, comm, name, e.what(), /*comm_broken=*/true);
+  double step_s = 0, wait_s = 0, total_s = 0;
+  int64_t i = cfg.warmup;
+  for (auto _ : state) {
+    comm.barrier()->wait();
+    const auto t0 = std::chrono::steady_clock::now();
+    step(i++);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(dt);
+    step_s += dt;
+    wait_s += ddp.last_step_stats().comm_wait_s;
+    total_s += ddp.last_step_stats().comm_total_s;
   }
+
+  if (comm.rank() == cfg.corrupt_rank) {  // test hook: must be caught
+    at::NoGradGuard no_grad;
+    ddp.parameters().front().view(-1)[0] += 1;
+  }
+  std::string failed;
+  if (!all_ranks_ok(comm, replicas_equal(comm, ddp.parameters()), &failed)) {
+    fail(state, comm, name,
+         "verification failed: parameters differ from rank 0's on rank(s) " + failed);
+    return;
+  }
+  const double k = static_cast<double>(state.iterations());
+  const double tokens_per_step = static_cast<double>(cfg.batch * T * comm.world_size());
+  state.counters["bucket_cap_mb"] = cap_mb;
+  state.counters["buckets"] = static_cast<double>(ddp.bucket_assignment().size());
+  state.counters["comm_total_ms"] = total_s / k * 1e3;
+  state.counters["comm_wait_ms"] = wait_s / k * 1e3;
+  state.counters["hidden"] = total_s > 0 ? 1.0 - wait_s / total_s : 0.0;
+  state.counters["tokens_per_s"] = tokens_per_step * k / step_s;
 }
 
 }  // namespace
@@ -213,8 +207,8 @@ int main(int argc, char** argv) {
       label << "ddp_step/ranks:" << comm.world_size() << "/model:" << model.str()
             << "/batch:" << cfg.batch << "/bucket_cap_mb:" << cap;
       const std::string name = label.str();
-      benchmark::RegisterBenchmark(
-          name.c_str(),
+      register_benchmark(
+          name, comm,
           [&comm, &cfg, cap, name](benchmark::State& state) { run(state, name, comm, cap, cfg); })
           ->Iterations(cfg.steps)
           ->UseManualTime()

@@ -130,48 +130,43 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, C
   const int rank = comm.rank();
   const int world = comm.world_size();
   const int64_t numel = bytes / static_cast<int64_t>(sizeof(float));
-  if (skip_after_comm_failure(state)) return;
-  try {
-    // Verify once per size, before timing.
-    Buffers buf = make_buffers(c, numel, rank, world);
-    issue(comm, c, buf)->wait();
-    if (rank == cfg.corrupt_rank) buf.a.view({-1})[0] += 1;  // test hook: must be caught
-    const bool ok = at::equal(buf.a, expected(c, numel, rank, world));
-    std::string failed;
-    if (!all_ranks_ok(comm, ok, &failed)) {
-      fail(state, comm, name,
-           "verification failed: result differs from the closed form on rank(s) " + failed);
-      return;
-    }
+  // Verify once per size, before timing.
+  Buffers buf = make_buffers(c, numel, rank, world);
+  issue(comm, c, buf)->wait();
+  if (rank == cfg.corrupt_rank) buf.a.view({-1})[0] += 1;  // test hook: must be caught
+  const bool ok = at::equal(buf.a, expected(c, numel, rank, world));
+  std::string failed;
+  if (!all_ranks_ok(comm, ok, &failed)) {
+    fail(state, comm, name,
+         "verification failed: result differs from the closed form on rank(s) " + failed);
+    return;
+  }
 
-    double total_s = 0;
-    std::vector<double> times;
-    times.reserve(static_cast<size_t>(state.max_iterations));
-    comm.barrier()->wait();
-    for (auto _ : state) {
-      if (cfg.barrier != 0) comm.barrier()->wait();
-      const auto t0 = std::chrono::steady_clock::now();
-      issue(comm, c, buf)->wait();
-      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
-      state.SetIterationTime(dt.count());
-      total_s += dt.count();
-      times.push_back(dt.count());
-    }
-    const double iters = static_cast<double>(state.iterations());
-    const double algbw = total_s > 0 ? static_cast<double>(bytes) * iters / total_s : 0;
-    state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
-    state.counters["bytes"] = static_cast<double>(bytes);
-    state.counters["ranks"] = world;
-    state.counters["algbw"] = algbw;
-    state.counters["busbw"] = algbw * bus_factor(c, world);
-    // The mean hides stalls: a few calls that wait for a busy core dominate it.
-    if (!times.empty()) {
-      std::sort(times.begin(), times.end());
-      state.counters["t_min_us"] = times.front() * 1e6;
-      state.counters["t_p50_us"] = times[times.size() / 2] * 1e6;
-    }
-  } catch (const std::exception& e) {
-    fail(state, comm, name, e.what(), /*comm_broken=*/true);
+  double total_s = 0;
+  std::vector<double> times;
+  times.reserve(static_cast<size_t>(state.max_iterations));
+  comm.barrier()->wait();
+  for (auto _ : state) {
+    if (cfg.barrier != 0) comm.barrier()->wait();
+    const auto t0 = std::chrono::steady_clock::now();
+    issue(comm, c, buf)->wait();
+    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+    state.SetIterationTime(dt.count());
+    total_s += dt.count();
+    times.push_back(dt.count());
+  }
+  const double iters = static_cast<double>(state.iterations());
+  const double algbw = total_s > 0 ? static_cast<double>(bytes) * iters / total_s : 0;
+  state.SetBytesProcessed(static_cast<int64_t>(bytes) * state.iterations());
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["ranks"] = world;
+  state.counters["algbw"] = algbw;
+  state.counters["busbw"] = algbw * bus_factor(c, world);
+  // The mean hides stalls: a few calls that wait for a busy core dominate it.
+  if (!times.empty()) {
+    std::sort(times.begin(), times.end());
+    state.counters["t_min_us"] = times.front() * 1e6;
+    state.counters["t_p50_us"] = times[times.size() / 2] * 1e6;
   }
 }
 
@@ -215,10 +210,10 @@ int main(int argc, char** argv) {
         const std::string name =
             std::string(info.name) + "/ranks:" + std::to_string(world) + "/" + format_bytes(bytes);
         const Collective kind = info.kind;
-        benchmark::RegisterBenchmark(name.c_str(),
-                                     [&comm, &cfg, kind, bytes, name](benchmark::State& state) {
-                                       run(state, name, comm, kind, bytes, cfg);
-                                     })
+        register_benchmark(name, comm,
+                           [&comm, &cfg, kind, bytes, name](benchmark::State& state) {
+                             run(state, name, comm, kind, bytes, cfg);
+                           })
             ->Iterations(iterations_for(bytes, cfg.target_bytes, cfg.min_iters, cfg.max_iters))
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);

@@ -238,6 +238,20 @@ bool skip_after_comm_failure(benchmark::State& state) {
   return true;
 }
 
+benchmark::internal::Benchmark* register_benchmark(const std::string& name,
+                                                   const Communicator& comm,
+                                                   std::function<void(benchmark::State&)> body) {
+  return benchmark::RegisterBenchmark(
+      name.c_str(), [&comm, name, body = std::move(body)](benchmark::State& state) {
+        if (skip_after_comm_failure(state)) return;
+        try {
+          body(state);
+        } catch (const std::exception& e) {
+          fail(state, comm, name, e.what(), /*comm_broken=*/true);
+        }
+      });
+}
+
 bool all_ranks_ok(Communicator& comm, bool ok, std::string* failed_ranks) {
   at::Tensor flags = at::zeros({comm.world_size()}, at::kInt);
   flags[comm.rank()] = ok ? 0 : 1;

@@ -66,6 +66,14 @@ void fail(benchmark::State& state, const Communicator& comm, const std::string& 
 // quietly and returns true.
 bool skip_after_comm_failure(benchmark::State& state);
 
+// Registers benchmark `name`, whose body runs on every rank: skipped (quietly) after an
+// earlier communication failure, and an exception escaping `body` fails it on this rank as
+// a communication failure (see fail). Returns Google Benchmark's handle, to fix the
+// iteration count on.
+benchmark::internal::Benchmark* register_benchmark(const std::string& name,
+                                                   const Communicator& comm,
+                                                   std::function<void(benchmark::State&)> body);
+
 // Collective agreement on a check: every rank passes whether its own check passed; returns
 // true on every rank iff all passed. When it returns false, failed_ranks lists the ranks
 // that failed (on every rank), so that all ranks skip the same benchmark and stay in step.

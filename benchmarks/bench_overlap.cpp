@@ -64,97 +64,92 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, c
   const int world = comm.world_size();
   const int64_t numel = cfg.unit_bytes / static_cast<int64_t>(sizeof(float));
   const int64_t shard = numel / world;
-  if (skip_after_comm_failure(state)) return;
-  try {
-    // Unit k+1: this rank's parameter shard, gathered into the full unit.
-    at::Tensor params_shard = pattern(shard, rank * shard) * static_cast<float>(rank + 1);
-    at::Tensor params_full = at::full({numel}, -1.0f);
-    // Unit k-1: the full gradient, reduce-scattered into this rank's shard.
-    at::Tensor grads_full = pattern(numel, 0) * static_cast<float>(rank + 1);
-    at::Tensor grads_shard = at::full({shard}, -1.0f);
-    // Unit k: the compute.
-    const int64_t n = work.sleep_ms > 0 ? 1 : work.n;
-    at::Tensor a = at::randn({n, n});
-    at::Tensor b = at::randn({n, n});
-    at::Tensor c = at::empty({n, n});
-    auto run_compute = [&] {
-      if (work.sleep_ms > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(work.sleep_ms));
-      } else {
-        at::mm_out(c, a, b);
-      }
-    };
+  // Unit k+1: this rank's parameter shard, gathered into the full unit.
+  at::Tensor params_shard = pattern(shard, rank * shard) * static_cast<float>(rank + 1);
+  at::Tensor params_full = at::full({numel}, -1.0f);
+  // Unit k-1: the full gradient, reduce-scattered into this rank's shard.
+  at::Tensor grads_full = pattern(numel, 0) * static_cast<float>(rank + 1);
+  at::Tensor grads_shard = at::full({shard}, -1.0f);
+  // Unit k: the compute.
+  const int64_t n = work.sleep_ms > 0 ? 1 : work.n;
+  at::Tensor a = at::randn({n, n});
+  at::Tensor b = at::randn({n, n});
+  at::Tensor c = at::empty({n, n});
+  auto run_compute = [&] {
+    if (work.sleep_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(work.sleep_ms));
+    } else {
+      at::mm_out(c, a, b);
+    }
+  };
 
-    auto issue_comm = [&] {
-      std::vector<WorkPtr> works;
-      works.push_back(comm.all_gather(params_full, params_shard));
-      works.push_back(comm.reduce_scatter(grads_shard, grads_full));
-      return works;
-    };
-    auto wait_all = [](std::vector<WorkPtr>& works) {
-      for (auto& w : works) w->wait();
-    };
+  auto issue_comm = [&] {
+    std::vector<WorkPtr> works;
+    works.push_back(comm.all_gather(params_full, params_shard));
+    works.push_back(comm.reduce_scatter(grads_shard, grads_full));
+    return works;
+  };
+  auto wait_all = [](std::vector<WorkPtr>& works) {
+    for (auto& w : works) w->wait();
+  };
 
-    // Verify the communication once (also the warm-up of connections and allocator).
+  // Verify the communication once (also the warm-up of connections and allocator).
+  {
+    auto works = issue_comm();
+    run_compute();
+    wait_all(works);
+    if (rank == cfg.corrupt_rank) grads_shard[0] += 1;  // test hook: must be caught
+    const float rank_sum = static_cast<float>(world) * (world + 1) / 2;
+    at::Tensor gathered = (pattern(numel, 0).view({world, shard}) *
+                           at::arange(1, world + 1, at::kFloat).view({world, 1}))
+                              .view({numel});
+    const bool ok = at::equal(params_full, gathered) &&
+                    at::equal(grads_shard, pattern(shard, rank * shard) * rank_sum);
+    std::string failed;
+    if (!all_ranks_ok(comm, ok, &failed)) {
+      fail(state, comm, name,
+           "verification failed: all_gather/reduce_scatter result differs on rank(s) " + failed);
+      return;
+    }
+  }
+
+  double compute_s = 0, comm_s = 0, both_s = 0;
+  for (auto _ : state) {
+    comm.barrier()->wait();
+    auto t0 = Clock::now();
+    run_compute();
+    compute_s += seconds_since(t0);
+
+    comm.barrier()->wait();
+    t0 = Clock::now();
+    {
+      auto works = issue_comm();
+      wait_all(works);
+    }
+    comm_s += seconds_since(t0);
+
+    comm.barrier()->wait();
+    t0 = Clock::now();
     {
       auto works = issue_comm();
       run_compute();
       wait_all(works);
-      if (rank == cfg.corrupt_rank) grads_shard[0] += 1;  // test hook: must be caught
-      const float rank_sum = static_cast<float>(world) * (world + 1) / 2;
-      at::Tensor gathered = (pattern(numel, 0).view({world, shard}) *
-                             at::arange(1, world + 1, at::kFloat).view({world, 1}))
-                                .view({numel});
-      const bool ok = at::equal(params_full, gathered) &&
-                      at::equal(grads_shard, pattern(shard, rank * shard) * rank_sum);
-      std::string failed;
-      if (!all_ranks_ok(comm, ok, &failed)) {
-        fail(state, comm, name,
-             "verification failed: all_gather/reduce_scatter result differs on rank(s) " + failed);
-        return;
-      }
     }
-
-    double compute_s = 0, comm_s = 0, both_s = 0;
-    for (auto _ : state) {
-      comm.barrier()->wait();
-      auto t0 = Clock::now();
-      run_compute();
-      compute_s += seconds_since(t0);
-
-      comm.barrier()->wait();
-      t0 = Clock::now();
-      {
-        auto works = issue_comm();
-        wait_all(works);
-      }
-      comm_s += seconds_since(t0);
-
-      comm.barrier()->wait();
-      t0 = Clock::now();
-      {
-        auto works = issue_comm();
-        run_compute();
-        wait_all(works);
-      }
-      const double both = seconds_since(t0);
-      both_s += both;
-      state.SetIterationTime(both);
-    }
-    const double k = static_cast<double>(state.iterations());
-    const double compute = compute_s / k, comm_t = comm_s / k, both = both_s / k;
-    state.SetBytesProcessed(2 * cfg.unit_bytes * state.iterations());
-    state.counters["matmul_n"] = static_cast<double>(work.sleep_ms > 0 ? 0 : work.n);
-    state.counters["sleep_ms"] = static_cast<double>(work.sleep_ms);
-    state.counters["unit_bytes"] = static_cast<double>(cfg.unit_bytes);
-    state.counters["compute_ms"] = compute * 1e3;
-    state.counters["comm_ms"] = comm_t * 1e3;
-    state.counters["both_ms"] = both * 1e3;
-    state.counters["matmul_gflops"] = work.sleep_ms > 0 ? 0 : 2.0 * n * n * n / compute * 1e-9;
-    state.counters["overlap_eff"] = (compute + comm_t - both) / std::min(compute, comm_t);
-  } catch (const std::exception& e) {
-    fail(state, comm, name, e.what(), /*comm_broken=*/true);
+    const double both = seconds_since(t0);
+    both_s += both;
+    state.SetIterationTime(both);
   }
+  const double k = static_cast<double>(state.iterations());
+  const double compute = compute_s / k, comm_t = comm_s / k, both = both_s / k;
+  state.SetBytesProcessed(2 * cfg.unit_bytes * state.iterations());
+  state.counters["matmul_n"] = static_cast<double>(work.sleep_ms > 0 ? 0 : work.n);
+  state.counters["sleep_ms"] = static_cast<double>(work.sleep_ms);
+  state.counters["unit_bytes"] = static_cast<double>(cfg.unit_bytes);
+  state.counters["compute_ms"] = compute * 1e3;
+  state.counters["comm_ms"] = comm_t * 1e3;
+  state.counters["both_ms"] = both * 1e3;
+  state.counters["matmul_gflops"] = work.sleep_ms > 0 ? 0 : 2.0 * n * n * n / compute * 1e-9;
+  state.counters["overlap_eff"] = (compute + comm_t - both) / std::min(compute, comm_t);
 }
 
 }  // namespace
@@ -188,10 +183,10 @@ int main(int argc, char** argv) {
     for (const auto& [label, work] : runs) {
       const std::string name = "overlap/ranks:" + std::to_string(comm.world_size()) +
                                "/unit:" + format_bytes(cfg.unit_bytes) + "/" + label;
-      benchmark::RegisterBenchmark(name.c_str(),
-                                   [&comm, &cfg, work = work, name](benchmark::State& state) {
-                                     run(state, name, comm, work, cfg);
-                                   })
+      register_benchmark(name, comm,
+                         [&comm, &cfg, work = work, name](benchmark::State& state) {
+                           run(state, name, comm, work, cfg);
+                         })
           ->Iterations(cfg.iters)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
