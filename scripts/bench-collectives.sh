@@ -144,63 +144,46 @@ EOF
   echo "pytorch: $(/usr/bin/python3 -c 'import torch; print(torch.__version__)')" >>"$out/env.txt"
 fi
 
-# Markdown tables: per world size, algbw / busbw in GB/s for each collective.
+# One Markdown table for world size $1: a row per message size, a column per collective,
+# each cell the .dat columns listed in $2 (awk expression) printed with format $3.
+size_by_collective_table() {
+  local n=$1 fields=$2 format=$3
+  echo "| size | $(echo $collectives | sed 's/ / | /g') |"
+  echo "|---:|$(for c in $collectives; do printf -- '---:|'; done)"
+  for c in $collectives; do
+    f="$out/busbw_${c}_np$n.dat"
+    [ -s "$f" ] && awk -v c="$c" -v fmt="$format" "{ print \$1, c, sprintf(fmt, $fields) }" "$f"
+  done | awk -v cols="$collectives" '
+    { b = $1; c0 = $2; $1 = ""; $2 = ""; sub(/^  /, ""); cell[b, c0] = $0; sizes[b] = 1 }
+    END {
+      k = split(cols, c, " ")
+      n = 0; for (s in sizes) order[++n] = s + 0
+      for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++)
+        if (order[j] < order[i]) { t = order[i]; order[i] = order[j]; order[j] = t }
+      for (i = 1; i <= n; i++) {
+        b = order[i]
+        line = "| " (b >= 1048576 ? (b / 1048576) " MiB" : (b / 1024) " KiB") " |"
+        for (j = 1; j <= k; j++) line = line " " (((b, c[j]) in cell) ? cell[b, c[j]] : "-") " |"
+        print line
+      }
+    }'
+}
+
+# Markdown tables: per world size, algbw / busbw (GB/s) and the median time per call.
 {
   for n in $world_sizes; do
     echo "#### $n ranks: algbw / busbw (GB/s)"
     echo
-    echo "| size | $(echo $collectives | sed 's/ / | /g') |"
-    echo "|---:|$(for c in $collectives; do printf -- '---:|'; done)"
-    for c in $collectives; do
-      f="$out/busbw_${c}_np$n.dat"
-      [ -s "$f" ] && awk -v c="$c" '{ print $1, c, $2, $3 }' "$f"
-    done | awk -v cols="$collectives" '
-      function human(b) {
-        if (b >= 1048576) return (b / 1048576) " MiB"
-        return (b / 1024) " KiB"
-      }
-      { cell[$1, $2] = sprintf("%.3f / %.3f", $3, $4); sizes[$1] = 1 }
-      END {
-        k = split(cols, c, " ")
-        n = 0; for (s in sizes) order[++n] = s + 0
-        for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++)
-          if (order[j] < order[i]) { t = order[i]; order[i] = order[j]; order[j] = t }
-        for (i = 1; i <= n; i++) {
-          line = "| " human(order[i]) " |"
-          for (j = 1; j <= k; j++) {
-            v = ((order[i], c[j]) in cell) ? cell[order[i], c[j]] : "-"
-            line = line " " v " |"
-          }
-          print line
-        }
-      }'
+    size_by_collective_table "$n" '$2, $3' '%.3f / %.3f'
     echo
-    echo "#### $n ranks: median time per call (us)"
+    echo "#### $n ranks: median time per call (µs)"
     echo
-    echo "| size | $(echo $collectives | sed 's/ / | /g') |"
-    echo "|---:|$(for c in $collectives; do printf -- '---:|'; done)"
-    for c in $collectives; do
-      f="$out/busbw_${c}_np$n.dat"
-      [ -s "$f" ] && awk -v c="$c" '{ print $1, c, $5 }' "$f"
-    done | awk -v cols="$collectives" '
-      { cell[$1, $2] = sprintf("%.0f", $3); sizes[$1] = 1 }
-      END {
-        k = split(cols, c, " ")
-        n = 0; for (s in sizes) order[++n] = s + 0
-        for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++)
-          if (order[j] < order[i]) { t = order[i]; order[i] = order[j]; order[j] = t }
-        for (i = 1; i <= n; i++) {
-          b = order[i]
-          line = "| " (b >= 1048576 ? (b / 1048576) " MiB" : (b / 1024) " KiB") " |"
-          for (j = 1; j <= k; j++) line = line " " (((b, c[j]) in cell) ? cell[b, c[j]] : "-") " |"
-          print line
-        }
-      }'
+    size_by_collective_table "$n" '$5' '%.0f'
     echo
     if [ -s "$out/busbw_pytorch_all_reduce_np$n.dat" ]; then
       echo "#### $n ranks: all_reduce, dtrain vs PyTorch Gloo (busbw in GB/s)"
       echo
-      echo "| size | dtrain busbw | PyTorch busbw | dtrain median us | PyTorch median us |"
+      echo "| size | dtrain busbw | PyTorch busbw | dtrain median µs | PyTorch median µs |"
       echo "|---:|---:|---:|---:|---:|"
       awk 'NR == FNR { pt[$1] = $3; pm[$1] = $5; next }
            { printf "| %s | %.3f | %s | %.0f | %s |\n",
