@@ -56,4 +56,13 @@ class TimeoutError : public CommError {
   using CommError::CommError;
 };
 
+// A checkpoint or safetensors file cannot be used: missing, truncated, corrupted (checksum),
+// foreign (not written by dtrain / not safetensors), or not matching what loads it (other
+// model, format version, strategy state). The message is one line naming the file and the
+// problem. Nothing was loaded into the caller's model when it is thrown during validation.
+class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace dtrain

@@ -1,0 +1,215 @@
+// The safetensors component: round trips for every dtype, the exact byte layout of a file
+// written by the reference implementation, and every malformed file refused with one line
+// naming the file and the problem. Also the JSON parser and CRC-32C under it.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "checkpoint/crc32c.h"
+#include "checkpoint/json.h"
+#include "checkpoint/safetensors.h"
+#include "dtrain/errors.h"
+#include "support/temp_dir.h"
+
+namespace dtrain::checkpoint {
+namespace {
+
+using testing::TempDir;
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A safetensors file from its header text and data bytes, with a given size prefix.
+std::string raw_file(const std::string& header, const std::string& data, uint64_t size_prefix) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((size_prefix >> (8 * i)) & 0xFF);
+  return out + header + data;
+}
+std::string raw_file(const std::string& header, const std::string& data) {
+  return raw_file(header, data, header.size());
+}
+
+// Expects opening `bytes` as a safetensors file to fail with one line naming the file and
+// containing `problem`.
+void expect_refused(const std::string& bytes, const std::string& problem) {
+  TempDir dir("st_bad");
+  const std::string path = dir / "bad.safetensors";
+  write_bytes(path, bytes);
+  try {
+    SafetensorsReader::open(path);
+    FAIL() << "accepted a bad file; expected: " << problem;
+  } catch (const CheckpointError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(path), std::string::npos) << what;
+    EXPECT_NE(what.find(problem), std::string::npos) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+}
+
+TEST(Crc32c, KnownValueAndHardwareMatchesPortable) {
+  const std::string check = "123456789";
+  EXPECT_EQ(crc32c(0, check.data(), check.size()), 0xE3069283u);
+  EXPECT_EQ(crc32c_portable(0, check.data(), check.size()), 0xE3069283u);
+  std::mt19937 gen(3);
+  std::string buf(10007, '\0');
+  for (auto& c : buf) c = static_cast<char>(gen());
+  for (size_t n : {0, 1, 7, 8, 9, 63, 4096, 10007}) {
+    EXPECT_EQ(crc32c(0, buf.data(), n), crc32c_portable(0, buf.data(), n)) << n;
+  }
+  // Continuation equals one pass.
+  const uint32_t a = crc32c(crc32c(0, buf.data(), 1000), buf.data() + 1000, 9007);
+  EXPECT_EQ(a, crc32c(0, buf.data(), buf.size()));
+}
+
+TEST(Json, RoundTripAndEscapes) {
+  const std::string text =
+      R"({"a":1,"b":[true,false,null,-2.5,"x\"y\\z\n"],"c":{"e\u00e9":"\ud83d\ude00"},"big":9007199254740993})";
+  Json j = Json::parse(text);
+  EXPECT_EQ(j.at("a").as_int(), 1);
+  EXPECT_EQ(j.at("big").as_int(), 9007199254740993LL);  // exact, not through a double
+  EXPECT_EQ(j.at("b").as_array()[3].as_double(), -2.5);
+  EXPECT_EQ(j.at("b").as_array()[4].as_string(), "x\"y\\z\n");
+  EXPECT_EQ(j.at("c").at("e\xc3\xa9").as_string(), "\xf0\x9f\x98\x80");
+  EXPECT_EQ(Json::parse(j.dump()).dump(), j.dump());
+  EXPECT_EQ(Json(2.0).dump(), "2.0");
+  EXPECT_EQ(Json::parse(Json(0.1).dump()).as_double(), 0.1);
+}
+
+TEST(Json, RefusesMalformedText) {
+  for (const char* bad : {"", "{", "{\"a\":1,}", "{\"a\":1} x", "{\"a\":1,\"a\":2}", "[01]",
+                          "\"\\q\"", "\"\\ud800\"", "\"abc", "99999999999999999999", "{a:1}",
+                          "[1 2]", "nul", "\"a\x01\""}) {
+    EXPECT_THROW(Json::parse(bad), JsonError) << bad;
+  }
+  std::string deep(100, '[');
+  deep += std::string(100, ']');
+  EXPECT_THROW(Json::parse(deep), JsonError);
+}
+
+TEST(Safetensors, RoundTripEveryDtype) {
+  TempDir dir("st");
+  const std::string path = dir / "all.safetensors";
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const c10::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kLong,
+                                    at::kInt,   at::kShort, at::kChar,    at::kByte,   at::kBool};
+  at::manual_seed(0);
+  for (auto dt : dtypes) {
+    at::Tensor t = (at::randn({3, 5}) * 50).to(dt);
+    tensors.emplace_back(std::string("t.") + safetensors_dtype_name(dt), t);
+  }
+  tensors.emplace_back("scalar", at::tensor(3.5));
+  tensors.emplace_back("empty", at::zeros({0, 4}));
+  tensors.emplace_back("strided", at::arange(12, at::kFloat).view({3, 4}).t());  // not contiguous
+  const FileDigest digest = write_safetensors(path, tensors, {{"format", "pt"}, {"k", "v\"q"}});
+  EXPECT_EQ(digest.size, std::filesystem::file_size(path));
+
+  auto r = SafetensorsReader::open(path);
+  EXPECT_EQ(r.metadata().at("format"), "pt");
+  EXPECT_EQ(r.metadata().at("k"), "v\"q");
+  ASSERT_EQ(r.tensors().size(), tensors.size());
+  EXPECT_EQ(r.tensors()[0].begin % 8, 0u);  // the data section starts 8-byte aligned
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, want] = tensors[i];
+    EXPECT_EQ(r.tensors()[i].name, name);  // written order kept
+    at::Tensor got = r.read(name);
+    EXPECT_EQ(got.scalar_type(), want.scalar_type()) << name;
+    EXPECT_EQ(got.sizes(), want.sizes()) << name;
+    EXPECT_TRUE(at::equal(got, want.contiguous())) << name;
+  }
+  // A byte range of one tensor.
+  const auto* f = r.find("t.F32");
+  ASSERT_NE(f, nullptr);
+  float two[2];
+  r.read_bytes(*f, 4 * 4, two, sizeof(two));
+  EXPECT_EQ(two[0], tensors[0].second.view({-1})[4].item<float>());
+  EXPECT_EQ(two[1], tensors[0].second.view({-1})[5].item<float>());
+  EXPECT_THROW(r.read_bytes(*f, 14 * 4, two, sizeof(two)), CheckpointError);
+  EXPECT_THROW(r.read("missing"), CheckpointError);
+}
+
+TEST(Safetensors, ReadsTheReferenceLayout) {
+  // What huggingface's safetensors writes for {"test": torch.zeros(2, 2, dtype=int32)}
+  // (the header padded with spaces to a multiple of 8).
+  const std::string header = R"({"test":{"dtype":"I32","shape":[2,2],"data_offsets":[0,16]}})";
+  std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');
+  std::string data(16, '\0');
+  data[4] = 7;  // element [0, 1] = 7
+  TempDir dir("st_ref");
+  write_bytes(dir / "ref.safetensors", raw_file(padded, data));
+  auto r = SafetensorsReader::open(dir / "ref.safetensors");
+  at::Tensor t = r.read("test");
+  EXPECT_EQ(t.scalar_type(), at::kInt);
+  EXPECT_TRUE(at::equal(t, at::tensor({0, 7, 0, 0}, at::kInt).view({2, 2})));
+  // And dtrain writes the same bytes for the same tensor.
+  write_safetensors(dir / "ours.safetensors", {{"test", t.zero_()}});
+  std::ifstream in(dir / "ours.safetensors", std::ios::binary);
+  std::string ours((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(ours, raw_file(padded, std::string(16, '\0')));
+}
+
+TEST(Safetensors, RefusesBadFiles) {
+  const std::string ok_entry = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const std::string d8(8, '\0');
+  expect_refused("", "0 bytes, shorter than the 8-byte header size");
+  expect_refused("abc", "shorter than the 8-byte header size");
+  expect_refused(raw_file("{" + ok_entry + "}", d8, 4096), "runs past the end of the file");
+  expect_refused(raw_file("{}", "", 200'000'000), "exceeds the 100000000-byte limit");
+  expect_refused(raw_file("[1,2]", ""), "header does not start with '{'");
+  expect_refused(raw_file("{\"a\":", ""), "header: invalid JSON");
+  expect_refused(raw_file("{" + ok_entry + ",\"a\":{}}", d8), "duplicate key");
+  expect_refused(raw_file(R"({"a":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}})", "xx"),
+                 "tensor \"a\": unsupported dtype \"F8_E4M3\"");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", d8),
+                 "negative dimension");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", d8),
+                 "data_offsets [0, 8] hold 8 bytes but F32 [3] needs 12");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", d8),
+                 "are not a range");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", d8),
+                 "data_offsets must hold [begin, end]");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":[2]}})", d8),
+                 "missing key \"data_offsets\"");
+  expect_refused(raw_file(R"({"a":{"dtype":"F32","shape":"2","data_offsets":[0,8]}})", d8),
+                 "expected a JSON array");
+  expect_refused(raw_file(R"({"a":[1]})", d8), "tensor \"a\": is not an object");
+  expect_refused(raw_file("{" + ok_entry + "}", "\0\0\0\0"), "run past the data section");
+  expect_refused(raw_file("{" + ok_entry + "}", d8 + "xx"), "2 bytes after the last tensor");
+  expect_refused(
+      raw_file("{" + ok_entry + R"(,"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+               std::string(12, '\0')),
+      "tensors \"a\" and \"b\" overlap");
+  expect_refused(raw_file(R"({"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", d8),
+                 "4 unused bytes before tensor \"b\"");
+  expect_refused(raw_file(R"({"__metadata__":{"x":1}})", ""),
+                 "__metadata__ value of \"x\" is not a string");
+  expect_refused(raw_file(R"({"__metadata__":[]})", ""), "__metadata__ is not an object");
+  expect_refused(
+      raw_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})",
+               d8),
+      "shape too large");
+  // A file that is not there.
+  try {
+    SafetensorsReader::open("/nonexistent/x.safetensors");
+    FAIL();
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/x.safetensors: cannot open"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Safetensors, WriterRefusesWhatItCannotRepresent) {
+  TempDir dir("st_w");
+  EXPECT_THROW(write_safetensors(dir / "x", {{"a", at::zeros({1})}, {"a", at::zeros({1})}}),
+               InvalidArgument);
+  EXPECT_THROW(write_safetensors(dir / "x", {{"__metadata__", at::zeros({1})}}), InvalidArgument);
+  EXPECT_THROW(write_safetensors(dir / "x", {{"c", at::zeros({1}, at::kComplexFloat)}}),
+               InvalidArgument);
+}
+
+}  // namespace
+}  // namespace dtrain::checkpoint
