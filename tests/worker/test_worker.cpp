@@ -2,15 +2,20 @@
 //   dtrain_test_worker <scenario> <timeout_ms> [out_path]
 // Scenarios: "collectives" (check a few collectives and exit), "loop" (all-reduce until
 // something fails), "ddp" (train the test MLP with DataParallel on this rank's slice of
-// the global batch and write the final parameters, raw fp32, to out_path). Exit codes: 0 ok, 3
+// the global batch and write the final parameters, raw fp32, to out_path),
+// "checkpoint_writer" (out_path is a checkpoint directory: save steps 1 and 2 there; with
+// DTRAIN_TEST_PAUSE_AT=<point> the save of step 2 creates out_path/../paused at that point
+// and then waits to be killed). Exit codes: 0 ok, 3
 // dtrain::CommError, 4 dtrain::TimeoutError, 1 other.
 #include <ATen/ATen.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
+#include "checkpoint_writer.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
 #include "strategy/training.h"
@@ -47,6 +52,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string scenario = argv[1];
+  if (scenario == "checkpoint_writer" && argc == 4) {
+    const char* pause = std::getenv("DTRAIN_TEST_PAUSE_AT");
+    return dtrain::testing::checkpoint_writer(argv[3], pause != nullptr ? pause : "");
+  }
   dtrain::CommunicatorOptions o;
   o.timeout = std::chrono::milliseconds(std::stoi(argv[2]));
   try {
