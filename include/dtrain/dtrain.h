@@ -1,6 +1,7 @@
 // Umbrella header: everything a training program needs from dtrain.
 #pragma once
 
+#include "dtrain/blas.h"
 #include "dtrain/comm_hook.h"
 #include "dtrain/communicator.h"
 #include "dtrain/config.h"
