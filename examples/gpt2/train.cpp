@@ -428,7 +428,8 @@ void Trainer::setup_device_and_comm() {
     check(dtrain::is_backend_available(options.backend),
           std::string("this build has no ") + dtrain::to_string(options.backend) + " backend");
     store_ = dtrain::connect_store(info_, options.timeout);
-    comm_ = dtrain::make_communicator(store_, info_.rank, info_.world_size, options);
+    comm_ = dtrain::make_communicator(store_, info_.rank, info_.world_size,
+                                      info_.communicator_options(options));
   } else {
     comm_ = dtrain::init_communicator(info_, options);
   }
@@ -551,7 +552,8 @@ void Trainer::setup_model_and_strategy() {
         go.backend = dtrain::Backend::kNccl;
         go.device_index = device_.index();
       }
-      auto groups = dtrain::make_hybrid_groups(store_, info_.rank, info_.world_size, group, go);
+      auto groups = dtrain::make_hybrid_groups(store_, info_.rank, info_.world_size, group,
+                                               info_.communicator_options(go));
       o.shard_group = groups.shard_group;
       o.replicate_group = groups.replicate_group;
     }

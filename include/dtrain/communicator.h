@@ -43,11 +43,17 @@ struct CommunicatorOptions {
   Backend backend = Backend::kGloo;
   // Bound on connecting and on each call.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
-  // Gloo: address this rank listens on. Empty: 127.0.0.1 when every rank runs on this host
-  // (the store's host is a loopback address), else this host's name.
-  std::string hostname;
-  // Gloo: network interface to bind (overrides hostname), e.g. "eth0".
+  // Gloo: network interface whose address this rank listens on, e.g. "eth0" (what
+  // GLOO_SOCKET_IFNAME sets through LaunchInfo::communicator_options). Set it when hosts have
+  // several interfaces and the one that routes to the master is not the fast one. An
+  // interface that does not exist or has no address throws InvalidArgument naming those
+  // that do.
   std::string interface;
+  // Gloo: address (or name) this rank listens on; ignored when `interface` is set.
+  // Both empty: the address of the interface that routes to the store's server, i.e. to
+  // MASTER_ADDR (Store::network_address): loopback only when the master is loopback;
+  // 127.0.0.1 for in-process stores.
+  std::string hostname;
   // Gloo: largest message piece the ring collectives (all_reduce, reduce_scatter) move at
   // once. reduce_scatter reduces one segment while the next ones are in flight, so smaller
   // segments overlap more of the reduction with the transfer, at a per-message cost.

@@ -1,14 +1,28 @@
 // Rendezvous: how a rank learns who it is and finds its peers.
 //
-// dtrain follows torchrun's environment so that the same binary runs under torchrun,
-// dtrain-run, or a cluster launcher that exports these variables:
-//   MASTER_ADDR, MASTER_PORT   where rank 0 serves the TCP store
-//   RANK, WORLD_SIZE           this process's global rank and the number of ranks
-//   LOCAL_RANK, LOCAL_WORLD_SIZE  rank and rank count on this host (device choice, threads)
-// LaunchInfo::from_env() is the only place dtrain reads them.
+// LaunchInfo::from_env() understands the launchers clusters use, in this order of
+// precedence (the first convention whose variables are present wins; its variables must
+// then be complete and consistent, else InvalidArgument names them):
+//
+//   1. torchrun / dtrain-run: RANK, WORLD_SIZE (both required), LOCAL_RANK,
+//      LOCAL_WORLD_SIZE (default: RANK and WORLD_SIZE, i.e. one host).
+//   2. Open MPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE.
+//   3. Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and ranks per host from
+//      SLURM_STEP_TASKS_PER_NODE (e.g. "4(x2),2", indexed by SLURM_NODEID), else
+//      SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE.
+//   4. none: one process (rank 0 of 1).
+//
+// Where rank 0 serves the TCP store: MASTER_ADDR and MASTER_PORT under every convention.
+// Defaults when unset: under Slurm, the first host of SLURM_STEP_NODELIST (else
+// SLURM_JOB_NODELIST) and port 29500 + SLURM_JOB_ID % 1000 (jobs sharing a host differ);
+// under Open MPI on one host, 127.0.0.1 (across hosts MASTER_ADDR is required: mpirun
+// publishes no host list; pass it with `mpirun -x MASTER_ADDR=host0`); otherwise
+// 127.0.0.1:29500. GLOO_SOCKET_IFNAME (as in PyTorch) names the interface ranks listen on.
+// LaunchInfo::from_env() is the only place dtrain reads these variables.
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -17,6 +31,10 @@
 
 namespace dtrain {
 
+// The launcher convention LaunchInfo::from_env found.
+enum class LaunchSource { kNone, kTorchrun, kOpenMpi, kSlurm };
+const char* to_string(LaunchSource source);
+
 struct LaunchInfo {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
@@ -24,22 +42,39 @@ struct LaunchInfo {
   int world_size = 1;
   int local_rank = 0;
   int local_world_size = 1;
+  // Interface every communicator of this process listens on (GLOO_SOCKET_IFNAME); empty:
+  // the one that routes to master_addr (see CommunicatorOptions::interface).
+  std::string socket_interface;
+  LaunchSource source = LaunchSource::kNone;
 
-  // Reads the variables above. Missing variables take the defaults (a single process);
-  // malformed or inconsistent values (RANK >= WORLD_SIZE, a port out of range, ...) throw
-  // dtrain::InvalidArgument naming the variable.
+  // Reads this process's environment by the rules above. Throws dtrain::InvalidArgument
+  // naming the variable when one is malformed, missing from an otherwise present
+  // convention, or inconsistent (a rank outside its world, ...).
   static LaunchInfo from_env();
+  // The same rules applied to `env` (for tests and for programs that hold the variables).
+  static LaunchInfo from_env(const std::map<std::string, std::string>& env);
 
   // Throws dtrain::InvalidArgument when the fields are inconsistent.
   void validate() const;
+
+  // `options` with what this launch decides filled in where the caller left it unset: the
+  // listening interface (socket_interface) and, for NCCL, the device (local_rank).
+  CommunicatorOptions communicator_options(CommunicatorOptions options = {}) const;
 };
 
-// Connects to (on rank 0: serves) the TCP store at master_addr:master_port.
+// Connects to (on rank 0: serves) the TCP store at master_addr:master_port, then checks
+// that the job is launched consistently: every rank of [0, world_size) is claimed by
+// exactly one process, and all agree on world_size. Otherwise every rank throws
+// dtrain::InvalidArgument naming both sides (e.g. two hosts with the same --node_rank, or
+// hosts started with different --nnodes / --nproc_per_node). An unreachable master throws
+// dtrain::TimeoutError after `timeout`; a port already taken on the master throws
+// dtrain::CommError on rank 0.
 std::shared_ptr<Store> connect_store(const LaunchInfo& info,
                                      std::chrono::milliseconds timeout = std::chrono::seconds(300));
 
-// connect_store + make_communicator: the usual first line of a distributed program.
-// A world of size 1 needs no store and never touches the network.
+// connect_store + make_communicator(info.communicator_options(options)): the usual first
+// line of a distributed program. A world of size 1 needs no store and never touches the
+// network.
 CommunicatorPtr init_communicator(const LaunchInfo& info, const CommunicatorOptions& options = {});
 
 }  // namespace dtrain

@@ -36,6 +36,12 @@ class Store {
   // True when every key is set; never blocks.
   virtual bool check(const std::vector<std::string>& keys) = 0;
 
+  // An address of this host that the store's other clients can reach: for a TCP store, the
+  // local end of this process's connection to the server (the interface that routes to
+  // MASTER_ADDR). Communicators built on the store listen there unless told otherwise
+  // (CommunicatorOptions::interface / hostname). Empty for in-process stores.
+  virtual std::string network_address() const { return {}; }
+
   // Convenience wrappers for string values.
   void set(const std::string& key, const std::string& value) {
     set(key, Bytes(value.begin(), value.end()));
@@ -57,7 +63,6 @@ struct TcpStoreOptions {
   std::string host = "127.0.0.1";  // address of the server (MASTER_ADDR)
   uint16_t port = 29500;           // its port (MASTER_PORT)
   bool is_server = false;          // true on exactly one process (rank 0)
-  int world_size = -1;             // expected number of clients, -1 if unknown
   // Bound on connecting to the server and on each blocking call.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
 };

@@ -2,9 +2,9 @@
 
 #include <unistd.h>
 
-#include <cerrno>
+#include <algorithm>
 #include <climits>
-#include <cstdlib>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -13,37 +13,100 @@
 namespace dtrain {
 namespace {
 
-// Reads an integer variable; absent -> fallback; malformed -> InvalidArgument.
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  errno = 0;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (errno != 0 || *end != '\0' || x < INT_MIN || x > INT_MAX) {
-    throw InvalidArgument(ErrorContext{-1, -1, "LaunchInfo::from_env", -1},
-                          fmt::format("{}='{}' is not an integer", name, v));
-  }
-  return static_cast<int>(x);
-}
+using Clock = std::chrono::steady_clock;
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
+int64_t get_int(Store& store, const std::string& key) { return store.add(key, 0); }
+
+// Checks, through the store, that every rank of [0, world_size) is claimed by exactly one
+// process and that all agree on world_size; a failure seen by one rank is published under
+// "error" so that every rank fails with the same message instead of waiting out its timeout.
+class LaunchCheck {
+ public:
+  LaunchCheck(std::shared_ptr<Store> store, const LaunchInfo& info,
+              std::chrono::milliseconds timeout)
+      : store_(make_prefix_store("dtrain/launch", std::move(store))),
+        info_(info),
+        timeout_(timeout),
+        ctx_{info.rank, info.world_size, "rendezvous", -1} {}
+
+  void run() {
+    store_->add("claims", 1);
+    const std::string me = describe();
+    if (store_->add(fmt::format("claim/{}", info_.rank), 1) > 1) {
+      std::string other = "another process";
+      try {
+        other = description(store_->get_string(
+            fmt::format("info/{}", info_.rank), std::min(timeout_, std::chrono::milliseconds(5000))));
+      } catch (const TimeoutError&) {
+      }
+      fail(fmt::format("rank {} is claimed twice: by {} and by {}; were two hosts started with "
+                       "the same --node_rank, or with different --nnodes / --nproc_per_node?",
+                       info_.rank, other, me));
+    }
+    store_->set(fmt::format("info/{}", info_.rank), fmt::format("{}\n{}", info_.world_size, me));
+    const std::string first = store_->get_string("info/0", timeout_);
+    if (std::atoi(first.c_str()) != info_.world_size) {
+      fail(fmt::format("rank 0 ({}) and rank {} ({}) disagree on the world size; were hosts "
+                       "started with different --nnodes / --nproc_per_node?",
+                       description(first), info_.rank, me));
+    }
+    store_->add("joined", 1);
+    wait_for_all();
+  }
+
+ private:
+  std::string describe() const {
+    char host[HOST_NAME_MAX + 1] = {0};
+    if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '?';
+    return fmt::format("pid {} on {} ({}) with WORLD_SIZE={} LOCAL_RANK={} LOCAL_WORLD_SIZE={}",
+                       getpid(), host, store_->network_address(), info_.world_size,
+                       info_.local_rank, info_.local_world_size);
+  }
+
+  // An info record is "<world size>\n<description>".
+  static std::string description(const std::string& record) {
+    return record.substr(std::min(record.size(), record.find('\n') + 1));
+  }
+
+  void wait_for_all() {
+    const auto deadline = Clock::now() + timeout_;
+    auto backoff = std::chrono::milliseconds(1);
+    for (;;) {
+      if (store_->check({"error"})) fail(store_->get_string("error", timeout_), false);
+      const int64_t joined = get_int(*store_, "joined");
+      if (joined >= info_.world_size) return;
+      if (Clock::now() >= deadline) {
+        throw TimeoutError(ctx_, fmt::format("only {} of {} ranks joined at {}:{} within {} ms",
+                                             joined, info_.world_size, info_.master_addr,
+                                             info_.master_port, timeout_.count()));
+      }
+      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(50));
+    }
+  }
+
+  // Publishes `why` (unless it came from the store) and throws it. Rank 0 serves the store:
+  // it lingers briefly so that the others read the error before the store goes away.
+  [[noreturn]] void fail(const std::string& why, bool publish = true) {
+    if (publish && !store_->check({"error"})) store_->set("error", why);
+    store_->add("error_seen", 1);
+    if (info_.rank == 0) {
+      const auto until = Clock::now() + std::min(timeout_, std::chrono::milliseconds(3000));
+      while (Clock::now() < until &&
+             get_int(*store_, "error_seen") < get_int(*store_, "claims")) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+    throw InvalidArgument(ctx_, why);
+  }
+
+  std::shared_ptr<Store> store_;
+  const LaunchInfo& info_;
+  std::chrono::milliseconds timeout_;
+  ErrorContext ctx_;
+};
 
 }  // namespace
-
-LaunchInfo LaunchInfo::from_env() {
-  LaunchInfo info;
-  if (const char* a = std::getenv("MASTER_ADDR"); a != nullptr && *a != '\0') info.master_addr = a;
-  info.master_port = env_int("MASTER_PORT", info.master_port);
-  info.rank = env_int("RANK", 0);
-  info.world_size = env_int("WORLD_SIZE", 1);
-  info.local_rank = env_int("LOCAL_RANK", info.rank);
-  info.local_world_size = env_int("LOCAL_WORLD_SIZE", info.world_size);
-  info.validate();
-  return info;
-}
 
 void LaunchInfo::validate() const {
   auto fail = [](const std::string& why) {
@@ -63,33 +126,53 @@ void LaunchInfo::validate() const {
   if (master_addr.empty()) fail("MASTER_ADDR is empty");
 }
 
+CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options) const {
+  if (options.interface.empty() && options.hostname.empty()) options.interface = socket_interface;
+  if (options.device_index < 0 && options.backend == Backend::kNccl)
+    options.device_index = local_rank;
+  return options;
+}
+
 std::shared_ptr<Store> connect_store(const LaunchInfo& info, std::chrono::milliseconds timeout) {
   info.validate();
   TcpStoreOptions o;
   o.host = info.master_addr;
   o.port = static_cast<uint16_t>(info.master_port);
   o.is_server = info.rank == 0;
-  o.world_size = info.world_size;
   o.timeout = timeout;
-  return make_tcp_store(o);
+  std::shared_ptr<Store> store;
+  try {
+    store = make_tcp_store(o);
+  } catch (const Error& e) {
+    // Name the rank and the master: the store's own message knows neither.
+    const ErrorContext ctx{info.rank, info.world_size, "rendezvous", -1};
+    if (dynamic_cast<const TimeoutError*>(&e)) {
+      throw TimeoutError(ctx, fmt::format("master {}:{} unreachable: {}", info.master_addr,
+                                          info.master_port, e.cause()));
+    }
+    throw CommError(ctx, e.cause());
+  }
+  try {
+    LaunchCheck(store, info, timeout).run();
+  } catch (const InvalidArgument&) {
+    throw;
+  } catch (const Error& e) {
+    if (e.context().rank >= 0) throw;
+    // A store call failed: say which rank, and what a silent or closed server may mean.
+    const ErrorContext ctx{info.rank, info.world_size, "rendezvous", -1};
+    const std::string why = fmt::format("{}: {} (is {}:{} served by a program other than this "
+                                        "job's rank 0?)",
+                                        e.context().op, e.cause(), info.master_addr,
+                                        info.master_port);
+    if (dynamic_cast<const TimeoutError*>(&e)) throw TimeoutError(ctx, why);
+    throw CommError(ctx, why);
+  }
+  return store;
 }
 
 CommunicatorPtr init_communicator(const LaunchInfo& info, const CommunicatorOptions& options) {
   info.validate();
-  CommunicatorOptions o = options;
-  if (o.hostname.empty() && o.interface.empty()) {
-    if (is_loopback(info.master_addr)) {
-      o.hostname = "127.0.0.1";
-    } else {
-      char name[HOST_NAME_MAX + 1] = {0};
-      if (gethostname(name, sizeof(name) - 1) != 0) {
-        throw CommError(ErrorContext{info.rank, info.world_size, "init_communicator", -1},
-                        "gethostname failed; set CommunicatorOptions::hostname or interface");
-      }
-      o.hostname = name;
-    }
-  }
-  if (o.device_index < 0 && o.backend == Backend::kNccl) o.device_index = info.local_rank;
+  const CommunicatorOptions o = info.communicator_options(options);
   std::shared_ptr<Store> store =
       info.world_size == 1 ? make_memory_store() : connect_store(info, o.timeout);
   return make_communicator(std::move(store), info.rank, info.world_size, o);

@@ -79,6 +79,228 @@ TEST(LaunchInfo, RejectsBadValuesNamingTheVariable) {
   EXPECT_NE(message({{"WORLD_SIZE", "0"}}).find("WORLD_SIZE=0"), std::string::npos);
 }
 
+// ---- Launcher conventions (LaunchInfo::from_env on a given environment) -----------------
+
+using Env = std::map<std::string, std::string>;
+
+std::string from_env_error(const Env& env) {
+  try {
+    LaunchInfo::from_env(env);
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(LaunchConventions, EmptyEnvironmentIsOneProcess) {
+  LaunchInfo i = LaunchInfo::from_env(Env{});
+  EXPECT_EQ(i.source, LaunchSource::kNone);
+  EXPECT_EQ(i.world_size, 1);
+  EXPECT_EQ(i.master_addr, "127.0.0.1");
+  EXPECT_EQ(i.master_port, 29500);
+}
+
+TEST(LaunchConventions, Torchrun) {
+  LaunchInfo i = LaunchInfo::from_env(Env{{"RANK", "5"},
+                                          {"WORLD_SIZE", "8"},
+                                          {"LOCAL_RANK", "1"},
+                                          {"LOCAL_WORLD_SIZE", "4"},
+                                          {"MASTER_ADDR", "node0"},
+                                          {"MASTER_PORT", "1234"},
+                                          {"GLOO_SOCKET_IFNAME", "eth1"}});
+  EXPECT_EQ(i.source, LaunchSource::kTorchrun);
+  EXPECT_EQ(i.rank, 5);
+  EXPECT_EQ(i.world_size, 8);
+  EXPECT_EQ(i.local_rank, 1);
+  EXPECT_EQ(i.local_world_size, 4);
+  EXPECT_EQ(i.master_addr, "node0");
+  EXPECT_EQ(i.master_port, 1234);
+  EXPECT_EQ(i.socket_interface, "eth1");
+}
+
+TEST(LaunchConventions, OpenMpi) {
+  LaunchInfo i = LaunchInfo::from_env(Env{{"OMPI_COMM_WORLD_RANK", "3"},
+                                          {"OMPI_COMM_WORLD_SIZE", "4"},
+                                          {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                          {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                          {"MASTER_ADDR", "10.1.0.1"}});
+  EXPECT_EQ(i.source, LaunchSource::kOpenMpi);
+  EXPECT_EQ(i.rank, 3);
+  EXPECT_EQ(i.world_size, 4);
+  EXPECT_EQ(i.local_rank, 1);
+  EXPECT_EQ(i.local_world_size, 2);
+  EXPECT_EQ(i.master_addr, "10.1.0.1");
+  EXPECT_EQ(i.master_port, 29500);
+  // One host: no MASTER_ADDR needed.
+  LaunchInfo one = LaunchInfo::from_env(Env{{"OMPI_COMM_WORLD_RANK", "1"},
+                                            {"OMPI_COMM_WORLD_SIZE", "2"},
+                                            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                            {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_EQ(one.master_addr, "127.0.0.1");
+}
+
+TEST(LaunchConventions, OpenMpiAcrossHostsNeedsMasterAddr) {
+  const std::string e = from_env_error(Env{{"OMPI_COMM_WORLD_RANK", "3"},
+                                           {"OMPI_COMM_WORLD_SIZE", "4"},
+                                           {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                           {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_NE(e.find("MASTER_ADDR is not set"), std::string::npos) << e;
+  EXPECT_NE(e.find("mpirun -x MASTER_ADDR"), std::string::npos) << e;
+}
+
+TEST(LaunchConventions, Slurm) {
+  LaunchInfo i = LaunchInfo::from_env(Env{{"SLURM_PROCID", "5"},
+                                          {"SLURM_NTASKS", "10"},
+                                          {"SLURM_LOCALID", "1"},
+                                          {"SLURM_NODEID", "2"},
+                                          {"SLURM_STEP_TASKS_PER_NODE", "4(x2),2"},
+                                          {"SLURM_STEP_NODELIST", "gpu[07-09,12],login1"},
+                                          {"SLURM_JOB_NODELIST", "other[1-4]"},
+                                          {"SLURM_JOB_ID", "123456"}});
+  EXPECT_EQ(i.source, LaunchSource::kSlurm);
+  EXPECT_EQ(i.rank, 5);
+  EXPECT_EQ(i.world_size, 10);
+  EXPECT_EQ(i.local_rank, 1);
+  EXPECT_EQ(i.local_world_size, 2);  // third host of "4,4,2"
+  EXPECT_EQ(i.master_addr, "gpu07");
+  EXPECT_EQ(i.master_port, 29500 + 456);
+}
+
+TEST(LaunchConventions, SlurmFallbacksAndOverrides) {
+  // SLURM_NTASKS_PER_NODE when the step list is absent; the job's node list; explicit
+  // MASTER_ADDR/MASTER_PORT win over the derived ones.
+  LaunchInfo i = LaunchInfo::from_env(Env{{"SLURM_PROCID", "0"},
+                                          {"SLURM_NTASKS", "4"},
+                                          {"SLURM_LOCALID", "0"},
+                                          {"SLURM_NTASKS_PER_NODE", "2"},
+                                          {"SLURM_JOB_NODELIST", "rack1-n[3-4]-ib"}});
+  EXPECT_EQ(i.local_world_size, 2);
+  EXPECT_EQ(i.master_addr, "rack1-n3-ib");
+  EXPECT_EQ(i.master_port, 29500);
+  LaunchInfo j = LaunchInfo::from_env(Env{{"SLURM_PROCID", "0"},
+                                          {"SLURM_NTASKS", "4"},
+                                          {"SLURM_LOCALID", "0"},
+                                          {"SLURM_TASKS_PER_NODE", "2(x2)"},
+                                          {"SLURM_NODEID", "1"},
+                                          {"SLURM_JOB_NODELIST", "n[1-2]"},
+                                          {"MASTER_ADDR", "10.0.0.9"},
+                                          {"MASTER_PORT", "4000"}});
+  EXPECT_EQ(j.master_addr, "10.0.0.9");
+  EXPECT_EQ(j.master_port, 4000);
+}
+
+TEST(LaunchConventions, PrecedenceTorchrunThenOpenMpiThenSlurm) {
+  // dtrain-run inside an srun step: dtrain-run's RANK/WORLD_SIZE describe this process.
+  Env env{{"RANK", "3"},         {"WORLD_SIZE", "8"},       {"LOCAL_RANK", "3"},
+          {"LOCAL_WORLD_SIZE", "4"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
+          {"SLURM_LOCALID", "0"},    {"SLURM_NTASKS_PER_NODE", "1"},
+          {"SLURM_JOB_NODELIST", "n1"}, {"OMPI_COMM_WORLD_RANK", "1"},
+          {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+          {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}, {"MASTER_ADDR", "n1"}};
+  EXPECT_EQ(LaunchInfo::from_env(env).source, LaunchSource::kTorchrun);
+  EXPECT_EQ(LaunchInfo::from_env(env).rank, 3);
+  env.erase("RANK");
+  env.erase("WORLD_SIZE");
+  EXPECT_EQ(LaunchInfo::from_env(env).source, LaunchSource::kOpenMpi);
+  EXPECT_EQ(LaunchInfo::from_env(env).rank, 1);
+  env.erase("OMPI_COMM_WORLD_RANK");
+  env.erase("OMPI_COMM_WORLD_SIZE");
+  EXPECT_EQ(LaunchInfo::from_env(env).source, LaunchSource::kSlurm);
+}
+
+TEST(LaunchConventions, IncompleteOrInconsistentNamesTheVariables) {
+  auto has = [](const std::string& e, const std::string& what) {
+    return e.find(what) != std::string::npos;
+  };
+  std::string e = from_env_error(Env{{"RANK", "1"}});
+  EXPECT_TRUE(has(e, "WORLD_SIZE is not")) << e;
+  e = from_env_error(Env{{"WORLD_SIZE", "2"}});
+  EXPECT_TRUE(has(e, "RANK is not")) << e;
+  e = from_env_error(Env{{"RANK", "2"}, {"WORLD_SIZE", "2"}});
+  EXPECT_TRUE(has(e, "RANK=2 must be in [0, WORLD_SIZE=2)")) << e;
+  e = from_env_error(Env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "3"}});
+  EXPECT_TRUE(has(e, "LOCAL_WORLD_SIZE=3")) << e;
+  e = from_env_error(Env{{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  EXPECT_TRUE(has(e, "OMPI_COMM_WORLD_LOCAL_RANK is not")) << e;
+  e = from_env_error(Env{{"OMPI_COMM_WORLD_RANK", "2"},
+                         {"OMPI_COMM_WORLD_SIZE", "2"},
+                         {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                         {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_TRUE(has(e, "OMPI_COMM_WORLD_RANK=2 must be in [0, OMPI_COMM_WORLD_SIZE=2)")) << e;
+  e = from_env_error(Env{{"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}});
+  EXPECT_TRUE(has(e, "SLURM_NTASKS is not")) << e;
+  e = from_env_error(Env{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}});
+  EXPECT_TRUE(has(e, "cannot tell how many ranks share this host")) << e;
+  e = from_env_error(Env{{"SLURM_PROCID", "0"},
+                         {"SLURM_NTASKS", "4"},
+                         {"SLURM_LOCALID", "2"},
+                         {"SLURM_NTASKS_PER_NODE", "2"},
+                         {"SLURM_JOB_NODELIST", "n1"}});
+  EXPECT_TRUE(has(e, "SLURM_LOCALID=2 must be in [0, SLURM_NTASKS_PER_NODE=2)")) << e;
+  e = from_env_error(Env{{"SLURM_PROCID", "0"},
+                         {"SLURM_NTASKS", "6"},
+                         {"SLURM_LOCALID", "0"},
+                         {"SLURM_STEP_TASKS_PER_NODE", "4,2"},
+                         {"SLURM_JOB_NODELIST", "n[1-2]"}});
+  EXPECT_TRUE(has(e, "SLURM_NODEID is not set")) << e;
+  e = from_env_error(Env{{"SLURM_PROCID", "0"},
+                         {"SLURM_NTASKS", "2"},
+                         {"SLURM_LOCALID", "0"},
+                         {"SLURM_NTASKS_PER_NODE", "2(x"},
+                         {"SLURM_JOB_NODELIST", "n1"}});
+  EXPECT_TRUE(has(e, "SLURM_NTASKS_PER_NODE")) << e;
+  e = from_env_error(Env{{"SLURM_PROCID", "0"},
+                         {"SLURM_NTASKS", "2"},
+                         {"SLURM_LOCALID", "0"},
+                         {"SLURM_NTASKS_PER_NODE", "2"},
+                         {"SLURM_JOB_NODELIST", "n[1-"}});
+  EXPECT_TRUE(has(e, "SLURM_JOB_NODELIST")) << e;
+  e = from_env_error(Env{{"SLURM_PROCID", "0"},
+                         {"SLURM_NTASKS", "2"},
+                         {"SLURM_LOCALID", "0"},
+                         {"SLURM_NTASKS_PER_NODE", "2"}});
+  EXPECT_TRUE(has(e, "SLURM_STEP_NODELIST")) << e;
+  e = from_env_error(Env{{"GLOO_SOCKET_IFNAME", "eth0,eth1"}});
+  EXPECT_TRUE(has(e, "GLOO_SOCKET_IFNAME='eth0,eth1'")) << e;
+}
+
+// ---- Listening address --------------------------------------------------------------------
+
+TEST(ListenAddress, CommunicatorOptionsFromLaunch) {
+  LaunchInfo i;
+  i.socket_interface = "eth7";
+  i.local_rank = 0;
+  EXPECT_EQ(i.communicator_options().interface, "eth7");
+  CommunicatorOptions mine;
+  mine.interface = "ib0";
+  EXPECT_EQ(i.communicator_options(mine).interface, "ib0");  // the caller's choice wins
+  mine = {};
+  mine.hostname = "10.0.0.5";
+  EXPECT_EQ(i.communicator_options(mine).interface, "");  // an explicit address wins too
+}
+
+TEST(ListenAddress, NamedInterfaceIsUsedAndAMissingOneIsAClearError) {
+  CommunicatorOptions o;
+  o.interface = "lo";
+  o.timeout = std::chrono::milliseconds(20000);
+  testing::run_ranks(
+      2, [](Communicator& c) {
+        at::Tensor t = at::ones({4});
+        c.all_reduce(t)->wait();
+        if (t[0].item<float>() != 2) throw std::runtime_error("all_reduce over lo");
+      },
+      o);
+  o.interface = "no-such-if0";
+  try {
+    make_communicator(make_memory_store(), 0, 1, o);
+    FAIL() << "no error for a missing interface";
+  } catch (const InvalidArgument& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'no-such-if0' does not exist"), std::string::npos) << m;
+    EXPECT_NE(m.find("lo"), std::string::npos) << m;  // lists the interfaces that exist
+  }
+}
+
 TEST(LaunchInfo, WorldOfOneNeedsNoNetwork) {
   LaunchInfo i;
   i.master_port = 1;  // nothing listens there; a world of one must not try
@@ -133,6 +355,73 @@ TEST(MultiProcess, KilledRankMakesSurvivorFailWithinTwiceTheTimeout) {
   EXPECT_TRUE(survivor.exit_code == 3 || survivor.exit_code == 4) << survivor.output;
   EXPECT_LT(s, 2 * timeout_ms / 1000.0 + 1.0) << survivor.output;
   EXPECT_NE(survivor.output.find("rank 0/2"), std::string::npos) << survivor.output;
+}
+
+// Two processes claiming rank 1 (two hosts with the same --node_rank): every process fails
+// within the timeout, and the message names the launch mistake, not just a timeout.
+TEST(MultiProcess, DuplicateRankFailsEveryRankWithTheCause) {
+  const int timeout_ms = 15000;
+  const int port = testing::free_port();
+  auto start = std::chrono::steady_clock::now();
+  std::vector<testing::Process> ps;
+  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                                      testing::rank_env(0, 3, port)));
+  for (int k = 0; k < 2; ++k) {
+    ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                                        testing::rank_env(1, 3, port)));
+  }
+  for (auto& p : ps) {
+    auto res = testing::wait_process(p, 60);
+    EXPECT_EQ(res.exit_code, 1) << res.output;  // 1: InvalidArgument, not a timeout
+    EXPECT_NE(res.output.find("rank 1 is claimed twice"), std::string::npos) << res.output;
+    EXPECT_NE(res.output.find("--node_rank"), std::string::npos) << res.output;
+  }
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(s, timeout_ms / 1000.0) << "the error must not wait out the timeout";
+}
+
+// Ranks started with different world sizes (different --nnodes / --nproc_per_node).
+TEST(MultiProcess, WorldSizeMismatchFailsEveryRankWithTheCause) {
+  const int timeout_ms = 15000;
+  const int port = testing::free_port();
+  std::vector<testing::Process> ps;
+  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                                      testing::rank_env(0, 2, port)));
+  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                                      testing::rank_env(1, 3, port)));
+  for (auto& p : ps) {
+    auto res = testing::wait_process(p, 60);
+    EXPECT_EQ(res.exit_code, 1) << res.output;
+    EXPECT_NE(res.output.find("disagree on the world size"), std::string::npos) << res.output;
+  }
+}
+
+TEST(MultiProcess, PortTakenOnTheMasterIsNamed) {
+  const int port = testing::free_port();
+  TcpStoreOptions so;
+  so.port = static_cast<uint16_t>(port);
+  so.is_server = true;
+  so.timeout = std::chrono::milliseconds(5000);
+  auto occupant = make_tcp_store(so);  // another server holds the port
+  auto p = testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", "3000"},
+                                  testing::rank_env(0, 2, port));
+  auto res = testing::wait_process(p, 30);
+  EXPECT_EQ(res.exit_code, 3) << res.output;  // CommError
+  EXPECT_NE(res.output.find("rank 0/2"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("is it taken?"), std::string::npos) << res.output;
+}
+
+TEST(MultiProcess, UnreachableMasterTimesOutNamingIt) {
+  const int port = testing::free_port();
+  auto start = std::chrono::steady_clock::now();
+  auto p = testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", "1500"},
+                                  testing::rank_env(1, 2, port));  // rank 0 never starts
+  auto res = testing::wait_process(p, 30);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(res.exit_code, 4) << res.output;
+  EXPECT_NE(res.output.find("rank 1/2"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("unreachable"), std::string::npos) << res.output;
+  EXPECT_LT(s, 2 * 1.5 + 2.0) << res.output;
 }
 
 TEST(MultiProcess, RankThatNeverStartsMakesOthersTimeOut) {

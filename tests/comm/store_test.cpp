@@ -56,12 +56,24 @@ TEST(Store, TcpServerAndClient) {
   TcpStoreOptions o;
   o.port = static_cast<uint16_t>(testing::free_port());
   o.is_server = true;
-  o.world_size = 2;
   o.timeout = milliseconds(5000);
   auto server = make_tcp_store(o);
   o.is_server = false;
   auto client = make_tcp_store(o);
   exercise(*server, *client);
+}
+
+// Communicators listen on the store's network address: the local end of the connection to
+// the server, so loopback for a loopback master, and nothing for in-process stores.
+TEST(Store, NetworkAddressIsTheLocalEndOfTheServerConnection) {
+  TcpStoreOptions o;
+  o.port = static_cast<uint16_t>(testing::free_port());
+  o.is_server = true;
+  o.timeout = milliseconds(5000);
+  auto server = make_tcp_store(o);
+  EXPECT_EQ(server->network_address(), "127.0.0.1");
+  EXPECT_EQ(make_prefix_store("p", server)->network_address(), "127.0.0.1");
+  EXPECT_EQ(make_memory_store()->network_address(), "");
 }
 
 TEST(Store, TcpClientWithoutServerTimesOut) {

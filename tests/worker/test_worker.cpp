@@ -5,9 +5,14 @@
 // the global batch and write the final parameters, raw fp32, to out_path),
 // "checkpoint_writer" (out_path is a checkpoint directory: save steps 1 and 2 there; with
 // DTRAIN_TEST_PAUSE_AT=<point> the save of step 2 creates out_path/../paused at that point
-// and then waits to be killed). Exit codes: 0 ok, 3
+// and then waits to be killed), "listen" (hold TCP port <timeout_ms> on every interface,
+// accepting and never answering, for 30 s: a program other than the job's store on the
+// master's port). Exit codes: 0 ok, 3
 // dtrain::CommError, 4 dtrain::TimeoutError, 1 other.
 #include <ATen/ATen.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -52,6 +57,22 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string scenario = argv[1];
+  if (scenario == "listen") {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(std::stoi(argv[2])));
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd, 16) != 0) {
+      std::perror("listen");
+      return 1;
+    }
+    std::printf("listening\n");
+    std::fflush(stdout);
+    sleep(30);  // connections queue in the backlog; nothing is ever answered
+    return 0;
+  }
   if (scenario == "checkpoint_writer" && argc == 4) {
     const char* pause = std::getenv("DTRAIN_TEST_PAUSE_AT");
     return dtrain::testing::checkpoint_writer(argv[3], pause != nullptr ? pause : "");

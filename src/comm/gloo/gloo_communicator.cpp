@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "comm/gloo/reduce_ops.h"
+#include "comm/net/address.h"
 
 namespace dtrain::gloo_backend {
 namespace {
@@ -107,13 +108,13 @@ GlooCommunicator::GlooCommunicator(std::shared_ptr<Store> store, int rank, int w
                                    const CommunicatorOptions& options)
     : rank_(rank), world_size_(world_size), options_(options), store_(std::move(store)) {
   const ErrorContext ctx = context("connect", -1);
+  gloo::transport::tcp::attr attr;
   try {
-    gloo::transport::tcp::attr attr;
-    if (!options.interface.empty()) {
-      attr.iface = options.interface;
-    } else {
-      attr.hostname = options.hostname.empty() ? "127.0.0.1" : options.hostname;
-    }
+    attr.hostname = net::choose_listen_address(options, *store_);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(ctx, e.cause());
+  }
+  try {
     auto device = gloo::transport::tcp::CreateDevice(attr);
     auto gloo_context = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
     gloo_context->setTimeout(options.timeout);

@@ -88,6 +88,7 @@ class PrefixStore final : public Store {
     base_->wait(prefixed(keys), timeout);
   }
   bool check(const std::vector<std::string>& keys) override { return base_->check(prefixed(keys)); }
+  std::string network_address() const override { return base_->network_address(); }
 
  private:
   std::vector<std::string> prefixed(const std::vector<std::string>& keys) const {

@@ -78,14 +78,14 @@ Socket::~Socket() {
 Socket listen_tcp(const std::string& host, uint16_t port, uint16_t* bound_port) {
   AddrInfo ai;
   resolve(host, port, true, ai);
-  std::string last_error = "no address";
+  int last_errno = EADDRNOTAVAIL;
   for (addrinfo* a = ai.head; a != nullptr; a = a->ai_next) {
     Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
     if (s.fd() < 0) continue;
     int one = 1;
     setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (::bind(s.fd(), a->ai_addr, a->ai_addrlen) != 0 || ::listen(s.fd(), 1024) != 0) {
-      last_error = std::strerror(errno);
+      last_errno = errno;
       continue;
     }
     sockaddr_storage addr{};
@@ -98,8 +98,8 @@ Socket listen_tcp(const std::string& host, uint16_t port, uint16_t* bound_port) 
     }
     return s;
   }
-  throw std::runtime_error("cannot listen on " + host + ":" + std::to_string(port) + ": " +
-                           last_error);
+  throw std::system_error(last_errno, std::generic_category(),
+                          "cannot listen on " + host + ":" + std::to_string(port));
 }
 
 Socket connect_tcp(const std::string& host, uint16_t port, Clock::time_point deadline) {
@@ -109,9 +109,25 @@ Socket connect_tcp(const std::string& host, uint16_t port, Clock::time_point dea
     AddrInfo ai;
     resolve(host, port, false, ai);
     for (addrinfo* a = ai.head; a != nullptr; a = a->ai_next) {
-      Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+      Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                        a->ai_protocol));
       if (s.fd() < 0) continue;
-      if (::connect(s.fd(), a->ai_addr, a->ai_addrlen) == 0) {
+      // Non-blocking, so that an address that drops SYNs costs at most the deadline
+      // (a blocking connect waits for the kernel's SYN retries, about two minutes).
+      int rc = ::connect(s.fd(), a->ai_addr, a->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        pollfd p{s.fd(), POLLOUT, 0};
+        int ready;
+        do {
+          ready = ::poll(&p, 1, remaining_ms(deadline));
+        } while (ready < 0 && errno == EINTR);
+        int err = ETIMEDOUT;
+        socklen_t len = sizeof(err);
+        if (ready > 0) getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
+        rc = err == 0 ? 0 : -1;
+        errno = err;
+      }
+      if (rc == 0) {
         // Connecting to a local port in the ephemeral range before anyone listens can
         // connect the socket to itself; treat that like a refusal.
         if (is_self_connected(s.fd())) {
@@ -124,7 +140,8 @@ Socket connect_tcp(const std::string& host, uint16_t port, Clock::time_point dea
       }
       last_error = std::strerror(errno);
     }
-    std::this_thread::sleep_for(backoff);
+    std::this_thread::sleep_for(std::min<Clock::duration>(
+        backoff, std::max<Clock::duration>(deadline - Clock::now(), Clock::duration::zero())));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   } while (Clock::now() < deadline);
   throw std::runtime_error("timed out connecting to " + host + ":" + std::to_string(port) + " (" +

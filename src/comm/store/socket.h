@@ -32,10 +32,12 @@ class Socket {
   int fd_ = -1;
 };
 
-// Listens on host:port (port 0: any); returns the socket and the bound port.
-Socket listen_tcp(const std::string& host, uint16_t port, uint16_t* bound_port);
+// Listens on host:port (port 0: any; host "": every interface); returns the socket and the
+// bound port. Throws std::system_error carrying bind's errno.
+Socket listen_tcp(const std::string& host, uint16_t port, uint16_t* bound_port = nullptr);
 
-// Connects to host:port, retrying refused connections until the deadline. Throws
+// Connects to host:port, retrying refused or unreachable connections until the deadline
+// (each attempt is bounded by it too, so a black-holed address cannot block longer). Throws
 // std::system_error / std::runtime_error on failure; the caller adds context.
 Socket connect_tcp(const std::string& host, uint16_t port, Clock::time_point deadline);
 

@@ -13,13 +13,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "comm/net/address.h"
 #include "comm/store/socket.h"
 #include "dtrain/errors.h"
 #include "dtrain/store.h"
@@ -50,11 +53,7 @@ int64_t get_i64(const char* p) {
 class StoreServer {
  public:
   StoreServer(const std::string& host, uint16_t port) {
-    // Loopback jobs stay on loopback; otherwise listen on every interface, since
-    // MASTER_ADDR may name this host by an address other than the one peers reach.
-    const bool loopback = host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-    listener_ = detail::listen_tcp(loopback ? (host == "localhost" ? "127.0.0.1" : host) : "", port,
-                                   &port_);
+    listener_ = detail::listen_tcp(bind_address(host), port);
     if (::pipe2(wake_, O_CLOEXEC) != 0) throw std::runtime_error("pipe2 failed");
     thread_ = std::thread([this] { loop(); });
   }
@@ -67,6 +66,16 @@ class StoreServer {
   }
 
  private:
+  // The master's address, so that only the network peers use can reach the store. When a
+  // non-loopback name resolves to loopback here (a hostname mapped to 127.0.1.1 in
+  // /etc/hosts), peers elsewhere reach this host by another address: every interface then.
+  static std::string bind_address(const std::string& host) {
+    if (host == "localhost") return "127.0.0.1";
+    if (net::is_loopback_host(host)) return host;
+    const std::string resolved = net::resolve_numeric(host);
+    return net::is_loopback_host(resolved) ? std::string() : host;
+  }
+
   struct Client {
     Socket socket;
     std::string in;
@@ -173,7 +182,6 @@ class StoreServer {
   }
 
   Socket listener_;
-  uint16_t port_ = 0;
   int wake_[2] = {-1, -1};
   std::vector<Client> clients_;
   std::map<std::string, Bytes> data_;
@@ -185,6 +193,20 @@ class TcpStore final : public Store {
   explicit TcpStore(const TcpStoreOptions& o) : options_(o) {
     try {
       if (o.is_server) server_ = std::make_unique<StoreServer>(o.host, o.port);
+    } catch (const std::system_error& e) {
+      const ErrorContext ctx{-1, -1, "tcp_store.listen", -1};
+      if (e.code().value() == EADDRNOTAVAIL) {
+        throw CommError(ctx, fmt::format("MASTER_ADDR {} is not an address of this host: the "
+                                         "store server (rank 0, --node_rank 0) must run on the "
+                                         "host MASTER_ADDR names",
+                                         o.host));
+      }
+      if (e.code().value() == EADDRINUSE) {
+        throw CommError(ctx, fmt::format("cannot serve the store on port {} of this host (is it "
+                                         "taken? pick another MASTER_PORT): {}",
+                                         o.port, e.what()));
+      }
+      throw CommError(ctx, fmt::format("{}:{}: {}", o.host, o.port, e.what()));
     } catch (const std::exception& e) {
       throw CommError(ErrorContext{-1, -1, "tcp_store.listen", -1},
                       fmt::format("{}:{}: {}", o.host, o.port, e.what()));
@@ -196,7 +218,17 @@ class TcpStore final : public Store {
                          fmt::format("no store server at {}:{} within {} ms: {}", o.host, o.port,
                                      o.timeout.count(), e.what()));
     }
+    network_address_ = net::local_address(socket_.fd());
+    // The master's name resolved to loopback here (e.g. a hostname mapped to 127.0.1.1 in
+    // /etc/hosts) although it is not a loopback name: peers on other hosts cannot reach a
+    // loopback address, so offer this host's first external address instead.
+    if (net::is_loopback_host(network_address_) && !net::is_loopback_host(o.host)) {
+      const std::string external = net::first_external_address();
+      if (!external.empty()) network_address_ = external;
+    }
   }
+
+  std::string network_address() const override { return network_address_; }
 
   void set(const std::string& key, const Bytes& value) override {
     std::string req;
@@ -279,6 +311,7 @@ class TcpStore final : public Store {
   std::unique_ptr<StoreServer> server_;  // destroyed after the client socket below
   std::mutex mu_;
   Socket socket_;
+  std::string network_address_;
 };
 
 }  // namespace

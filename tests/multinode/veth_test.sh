@@ -1,0 +1,205 @@
+#!/bin/sh
+# Two "hosts" on one machine: two network namespaces joined by a veth pair, each with its own
+# address and no route to anything else. Runs gpt2_train as 2 hosts x 2 ranks through
+# `dtrain-run --nnodes 2` for DDP, FSDP FULL_SHARD and HYBRID_SHARD and checks that the
+# per-step losses equal the same 4-rank job on one host (fp32, 1e-6 relative); then the
+# launch mistakes a user makes across hosts, each with its message and a bounded time.
+# Usage: veth_test.sh path/to/dtrain-run path/to/gpt2_train path/to/dtrain_test_worker
+# Exit 77 (ctest: skipped) when namespaces cannot be created here (needs root / CAP_NET_ADMIN).
+set -u
+run="$1"
+train="$2"
+worker="$3"
+tag="dt$$"
+ns_a="${tag}a"
+ns_b="${tag}b"
+net="10.213.$(($$ % 250)).0"
+addr_a="${net%.0}.1"
+addr_b="${net%.0}.2"
+tmp="$(mktemp -d)"
+failures=0
+
+cleanup() {
+  for p in $(jobs -p); do kill -9 "$p" 2>/dev/null; done
+  ip netns pids "$ns_a" 2>/dev/null | xargs -r kill -9 2>/dev/null
+  ip netns pids "$ns_b" 2>/dev/null | xargs -r kill -9 2>/dev/null
+  ip netns del "$ns_a" 2>/dev/null
+  ip netns del "$ns_b" 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+if ! command -v ip >/dev/null 2>&1; then
+  echo "SKIP: the 'ip' command (iproute2) is missing"
+  exit 77
+fi
+if ! ip netns add "$ns_a" 2>"$tmp/err"; then
+  echo "SKIP: cannot create network namespaces here ($(cat "$tmp/err")); run as root"
+  exit 77
+fi
+set -e
+ip netns add "$ns_b"
+ip link add "${tag}va" type veth peer name "${tag}vb"
+ip link set "${tag}va" netns "$ns_a"
+ip link set "${tag}vb" netns "$ns_b"
+ip -n "$ns_a" addr add "$addr_a/24" dev "${tag}va"
+ip -n "$ns_b" addr add "$addr_b/24" dev "${tag}vb"
+for ns in "$ns_a" "$ns_b"; do
+  ip -n "$ns" link set lo up
+done
+ip -n "$ns_a" link set "${tag}va" up
+ip -n "$ns_b" link set "${tag}vb" up
+set +e
+echo "hosts: $ns_a=$addr_a $ns_b=$addr_b"
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# A model small enough for seconds per run; byte vocabulary and random tokens: no files.
+common="--data=random --tokenizer=byte --max_tokens=40000 --layers=2 --heads=2 --dim=64
+  --ctx=32 --steps=5 --warmup_steps=2 --lr=3e-3 --seed=7 --batch=2 --val_batches=0
+  --sample_tokens=0 --timeout_s=60 --threads=1 --log_every=1"
+
+# losses FILE: the per-step losses of a metrics file, one per line.
+losses() {
+  grep '"kind": "step"' "$1" | sed 's/.*"loss": \([-0-9.eE+]*\).*/\1/'
+}
+
+# same_losses NAME A B: equal count, each within 1e-6 relative.
+same_losses() {
+  losses "$2" >"$tmp/la"
+  losses "$3" >"$tmp/lb"
+  n=$(wc -l <"$tmp/la")
+  if [ "$n" -lt 5 ] || [ "$n" -ne "$(wc -l <"$tmp/lb")" ]; then
+    fail "$1: $n steps on one host, $(wc -l <"$tmp/lb") across hosts"
+    return
+  fi
+  if ! paste "$tmp/la" "$tmp/lb" | awk '{ d = $1 - $2; if (d < 0) d = -d; m = $1 < 0 ? -$1 : $1;
+         if (d > 1e-6 * m) { print "step " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'; then
+    fail "$1: losses differ between one host and two hosts"
+  else
+    echo "ok: $1: $n step losses equal within 1e-6 ($(tr '\n' ' ' <"$tmp/lb"))"
+  fi
+}
+
+port=29000
+for case in "ddp:--strategy=ddp" "fsdp_full:--strategy=fsdp --sharding=full" \
+  "fsdp_hybrid:--strategy=fsdp --sharding=hybrid"; do
+  name="${case%%:*}"
+  flags="${case#*:}"
+  port=$((port + 1))
+  # shellcheck disable=SC2086
+  "$run" --nproc_per_node 4 -- "$train" $common $flags --metrics_out="$tmp/$name.one.jsonl" \
+    >"$tmp/$name.one.log" 2>&1 || { fail "$name: one-host run failed"; cat "$tmp/$name.one.log"; }
+  for k in 0 1; do
+    ns="$ns_a"
+    [ "$k" -eq 1 ] && ns="$ns_b"
+    # shellcheck disable=SC2086
+    ip netns exec "$ns" "$run" --nnodes 2 --node_rank "$k" --nproc_per_node 2 \
+      --master_addr "$addr_a" --master_port "$port" -- "$train" $common $flags \
+      --metrics_out="$tmp/$name.two.jsonl" >"$tmp/$name.host$k.log" 2>&1 &
+    eval "pid$k=\$!"
+  done
+  # shellcheck disable=SC2154
+  wait "$pid0"
+  s0=$?
+  wait "$pid1"
+  s1=$?
+  if [ "$s0" -ne 0 ] || [ "$s1" -ne 0 ]; then
+    fail "$name: two-host run failed ($s0, $s1)"
+    cat "$tmp/$name.host0.log" "$tmp/$name.host1.log"
+    continue
+  fi
+  same_losses "$name" "$tmp/$name.one.jsonl" "$tmp/$name.two.jsonl"
+done
+
+# launch SLOT HOST NAME DTRAIN_RUN_ARGS...: starts dtrain-run in host HOST's namespace (0 or 1)
+# with a trainer that never gets past connecting when the launch is wrong; its pid goes to
+# pid$SLOT and its output to $tmp/NAME.SLOT.log.
+launch() {
+  slot="$1"
+  k="$2"
+  name="$3"
+  shift 3
+  ns="$ns_a"
+  [ "$k" -eq 1 ] && ns="$ns_b"
+  # shellcheck disable=SC2086
+  ip netns exec "$ns" "$run" "$@" -- "$train" $common --strategy=ddp --timeout_s=10 \
+    >"$tmp/$name.$slot.log" 2>&1 &
+  eval "pid$slot=\$!"
+}
+
+# expect_failure NAME SECONDS SLOT:PATTERN...: every launched job fails within SECONDS of
+# the call, and the output of each SLOT has its PATTERN.
+expect_failure() {
+  name="$1"
+  limit="$2"
+  shift 2
+  start=$(date +%s)
+  for sp in "$@"; do
+    slot="${sp%%:*}"
+    pattern="${sp#*:}"
+    eval "wait \$pid$slot"
+    st=$?
+    [ "$st" -ne 0 ] || fail "$name: job $slot exited 0"
+    grep -q -- "$pattern" "$tmp/$name.$slot.log" ||
+      { fail "$name: job $slot's output lacks '$pattern'"; cat "$tmp/$name.$slot.log"; }
+  done
+  took=$(($(date +%s) - start))
+  [ "$took" -le "$limit" ] || fail "$name: took $took s (limit $limit s)"
+  echo "ok: $name: every job failed in $took s, naming the cause"
+}
+
+m="--master_addr $addr_a"
+# Two hosts started with the same --node_rank (0): the second cannot be the master, since
+# the master address is not one of its own; the first waits for its missing peer.
+port=$((port + 1))
+launch 0 0 node_rank0 --nnodes 2 --node_rank 0 --nproc_per_node 1 $m --master_port "$port"
+launch 1 1 node_rank0 --nnodes 2 --node_rank 0 --nproc_per_node 1 $m --master_port "$port"
+expect_failure node_rank0 25 "0:only 1 of 2 ranks joined" "1:is not an address of this host"
+
+# Two hosts with the same --node_rank (1) besides the master: every rank names the clash.
+port=$((port + 1))
+launch 0 0 node_rank1 --nnodes 3 --node_rank 0 --nproc_per_node 1 $m --master_port "$port"
+launch 1 1 node_rank1 --nnodes 3 --node_rank 1 --nproc_per_node 1 $m --master_port "$port"
+launch 2 1 node_rank1 --nnodes 3 --node_rank 1 --nproc_per_node 1 $m --master_port "$port"
+expect_failure node_rank1 8 "0:rank 1 is claimed twice" "1:rank 1 is claimed twice" \
+  "2:rank 1 is claimed twice"
+
+# Hosts started with different --nproc_per_node / --nnodes.
+port=$((port + 1))
+launch 0 0 nproc --nnodes 2 --node_rank 0 --nproc_per_node 2 $m --master_port "$port"
+launch 1 1 nproc --nnodes 2 --node_rank 1 --nproc_per_node 1 $m --master_port "$port"
+expect_failure nproc 8 "0:--nproc_per_node" "1:--nproc_per_node"
+port=$((port + 1))
+launch 0 0 nnodes --nnodes 2 --node_rank 0 --nproc_per_node 1 $m --master_port "$port"
+launch 1 1 nnodes --nnodes 3 --node_rank 1 --nproc_per_node 1 $m --master_port "$port"
+expect_failure nnodes 8 "0:disagree on the world size" "1:disagree on the world size"
+
+# The port is taken on the master by a process that is not the job's store: rank 0 says so;
+# the other host's rank gets no answer and gives up within its timeout.
+port=$((port + 1))
+ip netns exec "$ns_a" "$worker" listen "$port" >"$tmp/occupant.log" 2>&1 &
+occupant=$!
+sleep 0.5
+launch 1 0 taken --nnodes 2 --node_rank 0 --nproc_per_node 1 $m --master_port "$port"
+launch 2 1 taken --nnodes 2 --node_rank 1 --nproc_per_node 1 $m --master_port "$port"
+expect_failure taken 25 "1:is it taken?" "2:rank 1/2"
+kill "$occupant" 2>/dev/null
+
+# The master's address answers no one (no host has it): bounded by --timeout_s.
+port=$((port + 1))
+launch 0 0 unreachable --nnodes 2 --node_rank 1 --nproc_per_node 1 \
+  --master_addr "${net%.0}.9" --master_port "$port"
+launch 1 1 unreachable --nnodes 2 --node_rank 1 --nproc_per_node 1 \
+  --master_addr "${net%.0}.9" --master_port "$port"
+expect_failure unreachable 25 "0:master ${net%.0}.9:$port unreachable" \
+  "1:master ${net%.0}.9:$port unreachable"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all multi-host checks passed"
