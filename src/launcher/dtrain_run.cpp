@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "dtrain/blas.h"
 #include "launcher/local_ranks.h"
 
 namespace {
@@ -30,11 +31,26 @@ options:
   --master_addr A      host of rank 0, which serves the store (default 127.0.0.1)
   --master_port P      port of the store (default: a free port; required when M > 1)
   --grace_s S          seconds between SIGTERM and SIGKILL when stopping ranks (default 5)
+  --blas_kernel K      auto (default): when OpenBLAS would run its generic kernels, or an
+                       older family than this CPU supports (e.g. Haswell on an AVX-512 CPU),
+                       start the ranks with OPENBLAS_CORETYPE set to the CPU's best family
+                       (SkylakeX, Haswell, ...) and say so on stderr. OpenBLAS reads it only
+                       when it loads, so only a launcher can choose it. An OPENBLAS_CORETYPE
+                       already set is always kept. keep: leave the BLAS as it loads.
+  --blas_library L     the BLAS the ranks load, probed for --blas_kernel auto (default
+                       libblas.so.3, which Debian's LibTorch links)
+  --blas_info          print the BLAS, its kernel, the CPU and what the ranks would get; exit
   -h, --help           this text
 
 exit status: 0 when every rank exited 0; otherwise the failed rank's exit code, or
 128 + the signal that killed it.
 )";
+
+struct BlasOptions {
+  dtrain::BlasKernelPolicy policy = dtrain::BlasKernelPolicy::kAuto;
+  std::string library = "libblas.so.3";
+  bool info_only = false;
+};
 
 int parse_int(const std::string& flag, const std::string& value) {
   try {
@@ -47,7 +63,7 @@ int parse_int(const std::string& flag, const std::string& value) {
   }
 }
 
-std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv) {
+std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOptions& blas) {
   dtrain::launcher::NodeOptions o;
   int i = 1;
   for (; i < argc; ++i) {
@@ -57,6 +73,10 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv) {
       break;
     }
     if (arg == "-h" || arg == "--help") return std::nullopt;
+    if (arg == "--blas_info") {
+      blas.info_only = true;
+      continue;
+    }
     if (arg.rfind("--", 0) != 0) break;  // the program
     std::string value;
     const auto eq = arg.find('=');
@@ -81,23 +101,57 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv) {
       const int s = parse_int(arg, value);
       if (s < 0) throw std::invalid_argument("--grace_s must not be negative");
       o.grace = std::chrono::seconds(s);
+    } else if (arg == "--blas_kernel") {
+      if (value != "auto" && value != "keep") {
+        throw std::invalid_argument("--blas_kernel expects auto or keep, got '" + value + "'");
+      }
+      blas.policy =
+          value == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
+    } else if (arg == "--blas_library") {
+      blas.library = value;
     } else {
       throw std::invalid_argument("unknown option " + arg);
     }
   }
   for (; i < argc; ++i) o.argv.emplace_back(argv[i]);
+  if (blas.info_only) return o;
   if (o.argv.empty()) throw std::invalid_argument("no program given");
   if (o.nnodes > 1 && o.master_port == 0) o.master_port = 29500;  // torchrun's default
   dtrain::launcher::validate(o);
   return o;
 }
 
+// The BLAS kernel of the ranks: probes the BLAS they will load (here, under this process's
+// environment, which they inherit) unless the policy is keep and nothing is to be printed.
+dtrain::BlasKernelPlan plan_blas(const BlasOptions& blas, dtrain::BlasInfo& info,
+                                 dtrain::CpuFeatures& cpu) {
+  cpu = dtrain::CpuFeatures::detect();
+  if (blas.policy == dtrain::BlasKernelPolicy::kAuto || blas.info_only) {
+    info = dtrain::BlasInfo::probe(blas.library);
+  }
+  return dtrain::plan_blas_kernel(info, cpu, dtrain::blas_environment_from_env(), blas.policy);
+}
+
+void print_blas_info(const BlasOptions& blas, const dtrain::BlasInfo& info,
+                     const dtrain::CpuFeatures& cpu, const dtrain::BlasKernelPlan& plan) {
+  fmt::print("blas: {} ({})\n", plan.note, blas.library);
+  const std::string best = dtrain::best_openblas_kernel(cpu);
+  fmt::print("cpu features: {} ({} {}), {}; best OpenBLAS kernel: {}\n",
+             cpu.model.empty() ? "unknown model" : cpu.model, cpu.vendor, cpu.arch, cpu.summary(),
+             best.empty() ? "none known" : best);
+  std::string vars;
+  for (const auto& [k, v] : plan.environment) vars += fmt::format(" {}={}", k, v);
+  fmt::print("ranks get:{}\n", vars.empty() ? " no BLAS variables" : vars);
+  if (!info.config.empty()) fmt::print("config: {}\n", info.config);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::optional<dtrain::launcher::NodeOptions> options;
+  BlasOptions blas;
   try {
-    options = parse(argc, argv);
+    options = parse(argc, argv, blas);
   } catch (const std::exception& e) {
     fmt::print(stderr, "dtrain-run: {}\n\n{}", e.what(), kUsage);
     return 2;
@@ -106,6 +160,19 @@ int main(int argc, char** argv) {
     fmt::print("{}", kUsage);
     return 0;
   }
+  dtrain::BlasInfo info;
+  dtrain::CpuFeatures cpu;
+  const dtrain::BlasKernelPlan plan = plan_blas(blas, info, cpu);
+  if (blas.info_only) {
+    print_blas_info(blas, info, cpu, plan);
+    return 0;
+  }
+  // Said whenever the ranks' kernel is not OpenBLAS's own pick, or could be better.
+  if (plan.action == dtrain::BlasKernelPlan::Action::kSelect ||
+      (plan.action == dtrain::BlasKernelPlan::Action::kUserSet && !plan.missed_kernel.empty())) {
+    fmt::print(stderr, "dtrain-run: blas: {}\n", plan.note);
+  }
+  options->environment = plan.environment;
   try {
     return dtrain::launcher::run_node(*options);
   } catch (const std::exception& e) {

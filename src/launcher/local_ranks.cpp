@@ -89,13 +89,15 @@ std::vector<char*> pointers(std::vector<std::string>& strings) {
 }
 
 pid_t spawn(const NodeOptions& o, int local_rank, int port) {
-  const std::vector<std::string> env =
-      environment_with({{"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
-                        {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
-                        {"LOCAL_RANK", std::to_string(local_rank)},
-                        {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
-                        {"MASTER_ADDR", o.master_addr},
-                        {"MASTER_PORT", std::to_string(port)}});
+  std::map<std::string, std::string> vars = {
+      {"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
+      {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
+      {"MASTER_ADDR", o.master_addr},
+      {"MASTER_PORT", std::to_string(port)}};
+  vars.insert(o.environment.begin(), o.environment.end());  // keeps the rank variables
+  const std::vector<std::string> env = environment_with(vars);
   try {
     return spawn_process(o.argv[0], o.argv, env);
   } catch (const std::exception& e) {

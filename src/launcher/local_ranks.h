@@ -31,14 +31,18 @@ struct NodeOptions {
   std::chrono::milliseconds grace = std::chrono::seconds(5);
   // Prefix of the messages printed on stderr.
   std::string name = "dtrain-run";
+  // Variables added to every rank's environment (e.g. the OPENBLAS_CORETYPE a
+  // dtrain::BlasKernelPlan selects); the rank variables above take precedence.
+  std::map<std::string, std::string> environment;
 };
 
 // Throws std::invalid_argument naming the bad option.
 void validate(const NodeOptions& options);
 
 // Runs this node's ranks and waits for them. Rank r (local rank l) gets this process's
-// environment plus RANK=node_rank*nproc_per_node+l, WORLD_SIZE=nnodes*nproc_per_node,
-// LOCAL_RANK=l, LOCAL_WORLD_SIZE=nproc_per_node, MASTER_ADDR and MASTER_PORT.
+// environment plus `environment` and RANK=node_rank*nproc_per_node+l,
+// WORLD_SIZE=nnodes*nproc_per_node, LOCAL_RANK=l, LOCAL_WORLD_SIZE=nproc_per_node,
+// MASTER_ADDR and MASTER_PORT.
 //
 // SIGINT and SIGTERM received meanwhile are forwarded to the ranks (a second one kills
 // them). When a rank fails (non-zero exit or a signal), prints which rank failed and how,

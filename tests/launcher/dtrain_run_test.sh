@@ -1,11 +1,12 @@
 #!/bin/sh
 # dtrain-run's contract, checked with `sh -c` ranks: the rank variables, exit status, which
-# failed rank is named, stopping the other ranks, and signal forwarding.
-# Usage: dtrain_run_test.sh path/to/dtrain-run
+# failed rank is named, stopping the other ranks, signal forwarding, and the ranks' BLAS kernel.
+# Usage: dtrain_run_test.sh path/to/dtrain-run [path/to/fake_openblas.so]
 # The ranks' scripts are single-quoted on purpose: the variables expand in the ranks.
 # shellcheck disable=SC2016
 set -u
 run="$1"
+fake_blas="${2:-}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 failures=0
@@ -85,6 +86,45 @@ expect_status 2 "$run" --nproc_per_node 0 -- true
 expect_status 2 "$run" --nproc_per_node 2
 expect_status 2 "$run" --bogus 1 -- true
 expect_status 0 "$run" --help >/dev/null
+
+# 10. The ranks' BLAS kernel, decided on a fake OpenBLAS (--blas_library) that reports
+#     OPENBLAS_CORETYPE when set, else FAKE_OPENBLAS_KERNEL, else the generic Prescott.
+#     OPENBLAS_CORETYPE may be set where the tests run: each case sets or unsets it.
+if [ -n "$fake_blas" ]; then
+  clean() { env -u OPENBLAS_CORETYPE -u DTRAIN_BLAS_CHOICE "$@"; }
+  best=$(clean "$run" --blas_library "$fake_blas" --blas_info |
+    sed -n 's/.*best OpenBLAS kernel: //p')
+  [ -n "$best" ] || fail "--blas_info names no best kernel"
+  if [ "$best" != "none known" ]; then # x86-64
+    # a. Generic fallback: every rank starts with the CPU's best family; dtrain-run says so.
+    rm -f "$tmp"/blas*
+    clean "$run" --nproc_per_node 2 --blas_library "$fake_blas" -- \
+      sh -c 'echo "$OPENBLAS_CORETYPE $DTRAIN_BLAS_CHOICE" >"$0/blas$RANK"' "$tmp" 2>"$tmp/err" ||
+      fail "generic-kernel run failed"
+    for r in 0 1; do
+      got=$(cat "$tmp/blas$r" 2>/dev/null)
+      [ "$got" = "$best replaced:Prescott" ] ||
+        fail "rank $r: OPENBLAS_CORETYPE DTRAIN_BLAS_CHOICE = '$got', want '$best replaced:Prescott'"
+    done
+    expect_stderr "selecting OPENBLAS_CORETYPE=$best"
+    # b. A kernel that already fits the CPU: nothing added.
+    expect_status 0 clean FAKE_OPENBLAS_KERNEL="$best" "$run" --nproc_per_node 2 \
+      --blas_library "$fake_blas" -- sh -c \
+      'test -z "${OPENBLAS_CORETYPE+set}" && test -z "${DTRAIN_BLAS_CHOICE+set}"'
+  fi
+  # c. Set by the user: passed on unchanged, even the generic kernel or an empty value.
+  for value in Prescott ""; do
+    expect_status 0 env -u DTRAIN_BLAS_CHOICE OPENBLAS_CORETYPE="$value" "$run" \
+      --nproc_per_node 2 --blas_library "$fake_blas" -- sh -c \
+      'test "${OPENBLAS_CORETYPE+set}" = set && test "$OPENBLAS_CORETYPE" = "$0" &&
+       test -z "${DTRAIN_BLAS_CHOICE+set}"' "$value"
+  done
+  # d. --blas_kernel keep: the generic kernel stays, and the ranks are told not to choose.
+  expect_status 0 clean "$run" --nproc_per_node 2 --blas_kernel keep \
+    --blas_library "$fake_blas" -- sh -c \
+    'test -z "${OPENBLAS_CORETYPE+set}" && test "$DTRAIN_BLAS_CHOICE" = keep'
+  expect_status 2 "$run" --blas_kernel fastest -- true
+fi
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed" >&2
