@@ -281,7 +281,7 @@ int bench_main(int argc, char** argv, Flags& flags,
   flags.add("timeout_s", &timeout_s, "communicator timeout (connect and each call), seconds");
   flags.add("gloo_segment_bytes", &segment_bytes,
             "CommunicatorOptions::gloo_max_segment_bytes (all-reduce pipelining piece)");
-  flags.add("gloo_iface", &iface, "CommunicatorOptions::interface (empty: loopback)");
+  flags.add("gloo_iface", &iface, "CommunicatorOptions::interface (empty: GLOO_SOCKET_IFNAME, else the interface that routes to MASTER_ADDR)");
 
   // One intra-op thread per rank: several ranks share this host's cores.
   at::set_num_threads(1);
@@ -354,9 +354,11 @@ int bench_main(int argc, char** argv, Flags& flags,
     options.interface = iface;
     options.name = "bench";
     CommunicatorPtr comm = init_communicator(info, options);
+    const std::string where = iface.empty() ? info.communicator_options(options).interface : iface;
     if (info.rank == 0) {
       std::fprintf(stderr, "%s: %d ranks (processes), Gloo over %s, %d intra-op thread(s)\n",
-                   argv[0], info.world_size, iface.empty() ? "loopback TCP" : iface.c_str(),
+                   argv[0], info.world_size,
+                   where.empty() ? ("TCP to " + info.master_addr).c_str() : where.c_str(),
                    at::get_num_threads());
     }
     register_benchmarks(*comm);

@@ -13,6 +13,8 @@ PKGS=(
   # starts one BLAS thread per core in every process).
   libopenblas0-openmp
   gnuplot-nox
+  # ip(8): the multi-host test joins two network namespaces with a veth pair.
+  iproute2
   # fetch-data.sh downloads npm tarballs with curl where npm is absent.
   curl ca-certificates
 )

@@ -10,46 +10,23 @@ set -u
 run="$1"
 train="$2"
 worker="$3"
-tag="dt$$"
-ns_a="${tag}a"
-ns_b="${tag}b"
-net="10.213.$(($$ % 250)).0"
-addr_a="${net%.0}.1"
-addr_b="${net%.0}.2"
 tmp="$(mktemp -d)"
 failures=0
+# shellcheck source=../../scripts/veth-hosts.sh
+. "$(dirname "$0")/../../scripts/veth-hosts.sh"
 
 cleanup() {
   for p in $(jobs -p); do kill -9 "$p" 2>/dev/null; done
-  ip netns pids "$ns_a" 2>/dev/null | xargs -r kill -9 2>/dev/null
-  ip netns pids "$ns_b" 2>/dev/null | xargs -r kill -9 2>/dev/null
-  ip netns del "$ns_a" 2>/dev/null
-  ip netns del "$ns_b" 2>/dev/null
+  veth_hosts_down
   rm -rf "$tmp"
 }
 trap cleanup EXIT
 
-if ! command -v ip >/dev/null 2>&1; then
-  echo "SKIP: the 'ip' command (iproute2) is missing"
+if ! veth_hosts_up "dt$$" >"$tmp/why"; then
+  echo "SKIP: $(cat "$tmp/why")"
   exit 77
 fi
-if ! ip netns add "$ns_a" 2>"$tmp/err"; then
-  echo "SKIP: cannot create network namespaces here ($(cat "$tmp/err")); run as root"
-  exit 77
-fi
-set -e
-ip netns add "$ns_b"
-ip link add "${tag}va" type veth peer name "${tag}vb"
-ip link set "${tag}va" netns "$ns_a"
-ip link set "${tag}vb" netns "$ns_b"
-ip -n "$ns_a" addr add "$addr_a/24" dev "${tag}va"
-ip -n "$ns_b" addr add "$addr_b/24" dev "${tag}vb"
-for ns in "$ns_a" "$ns_b"; do
-  ip -n "$ns" link set lo up
-done
-ip -n "$ns_a" link set "${tag}va" up
-ip -n "$ns_b" link set "${tag}vb" up
-set +e
+net="$veth_net.0"
 echo "hosts: $ns_a=$addr_a $ns_b=$addr_b"
 
 fail() {
