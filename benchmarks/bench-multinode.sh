@@ -28,7 +28,8 @@ args=(--min_bytes="${MIN_BYTES:-1048576}" --max_bytes="${MAX_BYTES:-67108864}" -
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "cpu: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(getconf _NPROCESSORS_ONLN) cores"
   echo "load average at start: $(cut -d" " -f1-3 /proc/loadavg)"
-  echo "veth: $ns_a=$addr_a <-> $ns_b=$addr_b, mtu $(ip -n "$ns_a" link show | sed -n 's/.*veth.* mtu \([0-9]*\).*/\1/p' | head -1)"
+  echo "veth: $ns_a=$addr_a <-> $ns_b=$addr_b, mtu $(ip -n "$ns_a" -o link |
+    awk '!/ lo:/ { for (i = 1; i < NF; i++) if ($i == "mtu") print $(i + 1) }')"
   echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo none)"
 } >"$out/env.txt"
 
