@@ -13,10 +13,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -61,6 +63,14 @@ ABSL_FLAG(std::string, device, "cpu",
 ABSL_FLAG(int, threads, 0,
           "Intra-op threads per rank; 0: max(1, cores / LOCAL_WORLD_SIZE) so that the ranks "
           "of one machine share its cores.");
+ABSL_FLAG(std::string, blas_kernel, "auto",
+          "auto | keep. auto: when OpenBLAS runs its generic kernels (e.g. Prescott) or an older "
+          "family than this CPU supports, run with OPENBLAS_CORETYPE set to the CPU's best "
+          "family (SkylakeX for AVX-512, Haswell for AVX2, ...). OpenBLAS reads it only when it "
+          "loads: --nproc ranks start with it, a single process restarts itself once with it "
+          "(same pid and arguments). An OPENBLAS_CORETYPE already set is always kept. The run "
+          "header and the metrics (blas, blas_kernel) say what ran. keep: leave the BLAS as it "
+          "loads. See docs/blas.md.");
 ABSL_FLAG(int, timeout_s, 300,
           "Bound on connecting and on each collective, in seconds: a dead or hung rank makes "
           "the others fail after this long.");
@@ -364,9 +374,48 @@ struct RankValues {
   }
 };
 
+// The BLAS this process runs and what --blas_kernel does about its kernel, decided in main
+// before any rank starts.
+struct BlasSetup {
+  dtrain::BlasInfo info;
+  dtrain::BlasKernelPlan plan;
+};
+
+BlasSetup blas_setup(const std::string& policy) {
+  check(one_of(policy, {"auto", "keep"}), "--blas_kernel must be auto or keep");
+  BlasSetup b;
+  b.info = dtrain::BlasInfo::active();
+  b.plan = dtrain::plan_blas_kernel(
+      b.info, dtrain::CpuFeatures::detect(), dtrain::blas_environment_from_env(),
+      policy == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep);
+  return b;
+}
+
+// OpenBLAS chose its kernels when this process loaded it, so the plan's choice takes effect
+// only in a new process image: exec keeps the pid (a launcher supervising this rank sees no
+// difference) and the arguments, and the DTRAIN_BLAS_CHOICE it adds prevents a second restart.
+// Returns only when exec fails.
+void restart_with(BlasSetup& blas, char** argv) {
+  fmt::print("blas: {}; restarting with it (--blas_kernel keep: run as loaded)\n", blas.plan.note);
+  std::fflush(stdout);
+  std::vector<std::string> env = dtrain::launcher::environment_with(blas.plan.environment);
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  execve("/proc/self/exe", argv, envp.data());
+  blas.plan.note = blas.info.to_string() + fmt::format(" (restarting with {} failed: {})",
+                                                       blas.plan.kernel, std::strerror(errno));
+  fmt::print(stderr, "gpt2_train: blas: {}\n", blas.plan.note);
+}
+
+std::string blas_label(const dtrain::BlasInfo& b) {
+  return b.version.empty() ? b.library : b.library + " " + b.version;
+}
+
 class Trainer {
  public:
-  Trainer(Config config, dtrain::LaunchInfo info) : c_(std::move(config)), info_(std::move(info)) {}
+  Trainer(Config config, dtrain::LaunchInfo info, BlasSetup blas)
+      : c_(std::move(config)), info_(std::move(info)), blas_(std::move(blas)) {}
   void run();
 
  private:
@@ -393,6 +442,7 @@ class Trainer {
 
   Config c_;
   dtrain::LaunchInfo info_;
+  BlasSetup blas_;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<dtrain::Store> store_;
   dtrain::CommunicatorPtr comm_;
@@ -671,6 +721,7 @@ void Trainer::run() {
   const int threads =
       c_.threads > 0 ? c_.threads : std::max(1, available_cores() / info_.local_world_size);
   at::set_num_threads(threads);
+  say("blas: " + blas_.plan.note);
   setup_device_and_comm();
   setup_data();
   setup_model_and_strategy();
@@ -703,6 +754,8 @@ void Trainer::run() {
     JsonLine j;
     j.add("kind", kind).add("step", step).add("epoch", epoch).add("rank", info_.rank);
     j.add("world_size", info_.world_size).add("strategy", strategy_->name());
+    j.add("blas", blas_label(blas_.info));
+    j.add("blas_kernel", blas_.info.kernel.empty() ? "unknown" : blas_.info.kernel);
     return j;
   };
 
@@ -852,9 +905,15 @@ void Trainer::write_profile(int64_t total_steps) {
 }
 
 // Parent of --nproc N: starts N copies of this program as the ranks and supervises them.
-int launch_self(int nproc, int argc, char** argv) {
+// The ranks' environment gets the BLAS plan's variables.
+int launch_self(int nproc, int argc, char** argv, const dtrain::BlasKernelPlan& blas) {
   dtrain::launcher::NodeOptions o;
   o.name = "gpt2_train";
+  o.environment = blas.environment;
+  if (blas.action == dtrain::BlasKernelPlan::Action::kSelect) {
+    fmt::print("blas: {}; the ranks start with it\n", blas.note);
+    std::fflush(stdout);
+  }
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   o.argv.push_back(ec ? std::string(argv[0]) : self.string());
@@ -898,10 +957,14 @@ int main(int argc, char** argv) {
     gpt2::Config config = gpt2::config_from_flags();
     const int nproc = absl::GetFlag(FLAGS_nproc);
     gpt2::check(nproc >= 1, "--nproc must be at least 1");
-    if (!launched && nproc > 1) return gpt2::launch_self(nproc, argc, argv);
+    gpt2::BlasSetup blas = gpt2::blas_setup(absl::GetFlag(FLAGS_blas_kernel));
+    if (!launched && nproc > 1) return gpt2::launch_self(nproc, argc, argv, blas.plan);
+    if (blas.plan.action == dtrain::BlasKernelPlan::Action::kSelect) {
+      gpt2::restart_with(blas, argv);
+    }
     const dtrain::LaunchInfo info = dtrain::LaunchInfo::from_env();
     rank = info.rank;
-    gpt2::Trainer(std::move(config), info).run();
+    gpt2::Trainer(std::move(config), info, std::move(blas)).run();
   } catch (const std::exception& e) {
     fmt::print(stderr, "rank {}: {}\n", rank, e.what());
     return 1;

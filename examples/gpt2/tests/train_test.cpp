@@ -9,14 +9,18 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+
+#include "dtrain/blas.h"
 
 extern char** environ;
 
@@ -27,6 +31,7 @@ struct RunResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr
   std::vector<std::map<std::string, double>> steps, epochs;
+  std::vector<std::string> step_lines;  // the step lines as written
 };
 
 std::string temp_path(const std::string& name) {
@@ -75,7 +80,10 @@ RunResult run_trainer(const std::string& name, std::vector<std::string> args) {
   r.output = ss.str();
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
-    if (line.find("\"kind\": \"step\"") != std::string::npos) r.steps.push_back(numbers_of(line));
+    if (line.find("\"kind\": \"step\"") != std::string::npos) {
+      r.steps.push_back(numbers_of(line));
+      r.step_lines.push_back(line);
+    }
     if (line.find("\"kind\": \"epoch\"") != std::string::npos) r.epochs.push_back(numbers_of(line));
   }
   std::remove(metrics.c_str());
@@ -173,6 +181,10 @@ TEST_F(TrainerTest, SingleWritesStepAndEpochMetrics) {
     EXPECT_EQ(line->at("world_size"), 1);
   }
   EXPECT_GT(single_->epochs.back().at("epoch_time_s"), 0);
+  EXPECT_TRUE(std::regex_search(single_->step_lines.front(),
+                                std::regex(R"re("blas": "[^"]+", "blas_kernel": "[^"]+")re")))
+      << single_->step_lines.front();
+  EXPECT_NE(single_->output.find("blas: "), std::string::npos) << single_->output;
   EXPECT_TRUE(std::isfinite(single_->epochs.back().at("val_loss")));
   EXPECT_TRUE(std::isnan(single_->steps.front().at("epoch_time_s")));
 }
@@ -227,6 +239,74 @@ TEST_F(TrainerTest, FsdpBf16MixedPrecisionStaysClose) {
   RunResult fsdp = run_trainer("fsdp_bf16", with(common_args(), {"--strategy=fsdp", "--nproc=2",
                                                                  "--batch=2", "--precision=bf16"}));
   expect_same_curve(*single_, fsdp, 5e-2);
+}
+
+// Sets or unsets an environment variable for one scope (the trainer inherits the environment).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    set(value);
+  }
+  ~ScopedEnv() { set(old_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  void set(const std::optional<std::string>& v) {
+    if (v) {
+      setenv(name_, v->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+std::string blas_kernel_of(const std::string& step_line) {
+  std::smatch m;
+  return std::regex_search(step_line, m, std::regex(R"re("blas_kernel": "([^"]*)")re")) ? m[1].str()
+                                                                                        : "";
+}
+
+#ifdef GPT2_FAKE_OPENBLAS
+// OpenBLAS on a CPU it does not know, faked by preloading a library whose query functions
+// report the generic Prescott (or OPENBLAS_CORETYPE once set): a single process restarts
+// itself once with the CPU's best family, which the header and the metrics then report.
+TEST(TrainerBlas, GenericKernelMakesASingleProcessRestartWithTheBestFamily) {
+  const std::string best = dtrain::best_openblas_kernel(dtrain::CpuFeatures::detect());
+  if (best.empty()) GTEST_SKIP() << "no OpenBLAS family to select on this CPU";
+  ScopedEnv coretype("OPENBLAS_CORETYPE", std::nullopt);
+  ScopedEnv choice("DTRAIN_BLAS_CHOICE", std::nullopt);
+  ScopedEnv preload("LD_PRELOAD", GPT2_FAKE_OPENBLAS);
+  const RunResult r = run_trainer(
+      "blas_restart", with(common_args(), {"--strategy=single", "--batch=2", "--steps=1"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("kernel Prescott, generic"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restarting with it"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("OPENBLAS_CORETYPE=" + best + " chosen by dtrain"), std::string::npos)
+      << r.output;
+  ASSERT_FALSE(r.step_lines.empty());
+  EXPECT_EQ(blas_kernel_of(r.step_lines.front()), best);
+}
+#endif
+
+// The real BLAS: an OPENBLAS_CORETYPE set by the user is kept and reported, even the generic
+// kernel on a CPU that could do better.
+TEST(TrainerBlas, CoretypeSetByTheUserIsKept) {
+  if (!dtrain::BlasInfo::active().is_openblas()) GTEST_SKIP() << "LibTorch's BLAS is not OpenBLAS";
+  ScopedEnv coretype("OPENBLAS_CORETYPE", "Prescott");
+  ScopedEnv choice("DTRAIN_BLAS_CHOICE", std::nullopt);
+  const RunResult r = run_trainer(
+      "blas_user", with(common_args(), {"--strategy=single", "--batch=2", "--steps=1"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("restarting"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("OPENBLAS_CORETYPE=Prescott set in the environment, kept"),
+            std::string::npos)
+      << r.output;
+  ASSERT_FALSE(r.step_lines.empty());
+  EXPECT_EQ(blas_kernel_of(r.step_lines.front()), "Prescott");
 }
 
 TEST(TrainerErrors, FailingRankIsNamedAndExitIsNonZero) {
