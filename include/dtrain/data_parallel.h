@@ -51,6 +51,7 @@ class DataParallel final : public Strategy {
   double grad_norm() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   const StepStats& last_step_stats() const override;
+  StateLayout state_layout() override;
   std::string name() const override { return "ddp"; }
   int rank() const override;
   int world_size() const override;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "dtrain/blas.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/comm_hook.h"
 #include "dtrain/communicator.h"
 #include "dtrain/config.h"

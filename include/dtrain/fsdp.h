@@ -105,6 +105,10 @@ class FullyShardedDataParallel final : public Strategy {
   double grad_norm() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   const StepStats& last_step_stats() const override;
+  // Checkpoints: each parameter's slice is its part of this rank's fp32 shard (stepped as
+  // the shard); frozen parameters and buffers are replicated.
+  StateLayout state_layout() override;
+  void state_loaded() override;
   std::string name() const override { return "fsdp"; }
   int rank() const override;
   int world_size() const override;

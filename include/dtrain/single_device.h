@@ -24,6 +24,7 @@ class SingleDevice final : public Strategy {
   std::vector<at::Tensor> parameters() override;
   double grad_norm() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
+  StateLayout state_layout() override;
   const StepStats& last_step_stats() const override { return stats_; }
   std::string name() const override { return "single"; }
   int rank() const override { return 0; }

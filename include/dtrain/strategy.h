@@ -16,6 +16,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <string>
@@ -36,6 +37,30 @@ struct StepStats {
   double comm_wait_s = 0;          // time the caller waited on communication after backward
   double comm_total_s = 0;         // summed duration of the step's collectives
   int64_t num_collectives = 0;     // collectives issued by the step (DDP: buckets)
+};
+
+// One piece of the training state a rank holds: what checkpoints (dtrain/checkpoint.h)
+// save and load, whatever the strategy. Every parameter and buffer has one slice on every
+// rank, in the same order on every rank; a rank holding none of its elements has an empty
+// range.
+struct StateSlice {
+  enum class Kind { kParameter, kFrozenParameter, kBuffer };
+  std::string name;  // qualified name in the module
+  Kind kind = Kind::kParameter;
+  std::vector<int64_t> shape;  // the full tensor's shape
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  int64_t begin = 0, end = 0;  // this rank holds the flattened elements [begin, end)
+  at::Tensor data;             // those elements: 1-D, aliasing the strategy's own memory
+  at::Tensor stepped;          // the tensor the optimizer steps for them; undefined: none
+  int64_t stepped_offset = 0;  // data is stepped's flattened elements [offset, offset + n)
+  int replica = 0;             // this rank's index among the ranks holding the same range
+  int num_replicas = 1;
+};
+
+struct StateLayout {
+  std::string sharding;  // how the state is spread, for the manifest, e.g. "replicated"
+  CommunicatorPtr comm;  // the ranks holding it; null for a single rank
+  std::vector<StateSlice> slices;
 };
 
 class Strategy {
@@ -70,6 +95,13 @@ class Strategy {
   // that alias them) plus the given optimizer state tensors, each storage counted once.
   // FULL_SHARD FSDP holds about 1/world_size of DataParallel's between steps.
   virtual int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) = 0;
+
+  // Checkpoint support: the parameters and buffers this rank holds (see StateSlice); call
+  // between steps. state_loaded() must follow writing into the slices' data, so that the
+  // strategy refreshes what it derives from them (FSDP's gathered compute copies).
+  // The default throws InvalidArgument: the strategy cannot be checkpointed.
+  virtual StateLayout state_layout();
+  virtual void state_loaded() {}
 
   virtual const StepStats& last_step_stats() const = 0;
   virtual std::string name() const = 0;

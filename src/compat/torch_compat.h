@@ -6,6 +6,9 @@
 #include <torch/version.h>
 
 #include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -52,5 +55,19 @@ inline void refill_storage(const at::Tensor& t, size_t nbytes) {
 }
 
 inline bool storage_is_released(const at::Tensor& t) { return t.storage().nbytes() == 0; }
+
+// Key of `param`'s entry in torch::optim::Optimizer::state(): 1.13 keys the map by the
+// TensorImpl's address printed as a string, later releases by the address itself.
+template <typename StateMap>
+typename StateMap::key_type optimizer_state_key(const StateMap& /*state*/, const at::Tensor& param) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream out;  // what c10::guts::to_string does in 1.13
+    out << param.unsafeGetTensorImpl();
+    return out.str();
+  } else {
+    return static_cast<Key>(param.unsafeGetTensorImpl());
+  }
+}
 
 }  // namespace dtrain::compat

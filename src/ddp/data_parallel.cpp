@@ -13,6 +13,7 @@
 #include "compat/torch_compat.h"
 #include "dtrain/errors.h"
 #include "strategy/module_sync.h"
+#include "strategy/state_layout.h"
 
 namespace dtrain {
 namespace {
@@ -335,6 +336,9 @@ DataParallel::~DataParallel() = default;
 
 void DataParallel::backward(const at::Tensor& loss) { reducer_->backward(loss); }
 std::vector<at::Tensor> DataParallel::parameters() { return reducer_->module_->parameters(); }
+StateLayout DataParallel::state_layout() {
+  return replicated_state_layout(*reducer_->module_, reducer_->comm_, "replicated (ddp)");
+}
 double DataParallel::grad_norm() { return reducer_->grad_norm(); }
 int64_t DataParallel::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {
   return reducer_->model_state_bytes(optimizer_state);

@@ -19,6 +19,7 @@
 #include "compat/torch_compat.h"
 #include "dtrain/errors.h"
 #include "strategy/module_sync.h"
+#include "strategy/state_layout.h"
 
 namespace dtrain {
 namespace {
@@ -44,6 +45,8 @@ class FullyShardedDataParallel::Impl {
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
   std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();
+  StateLayout state_layout();
+  void state_loaded();
 
   CommunicatorPtr comm_;
   StepStats stats_;
@@ -571,6 +574,58 @@ FullyShardedDataParallel::Impl::sharded_state_dict() {
   return out;
 }
 
+// --- checkpoint support (dtrain/checkpoint.h) ---
+
+StateLayout FullyShardedDataParallel::Impl::state_layout() {
+  static constexpr const char* kNames[] = {"full_shard", "shard_grad_op", "no_shard",
+                                           "hybrid_shard"};
+  StateLayout layout;
+  const int replica = replicate_comm_ ? replicate_comm_->rank() : 0;
+  const int replicas = replicate_comm_ ? replicate_comm_->world_size() : 1;
+  layout.sharding = fmt::format("fsdp {} (shard group {}, {} replica group(s))",
+                                kNames[static_cast<int>(options_.sharding)], shard_size_, replicas);
+  layout.comm = comm_;
+  // A parameter's slice is where its flat range [offset, offset + numel) in the unit meets
+  // this rank's shard [shard_begin, shard_begin + shard_numel).
+  std::map<std::string, StateSlice> sharded;
+  for (auto& u : units_) {
+    const int64_t shard_begin = shard_rank_ * u.shard_numel;
+    const int64_t shard_end = shard_begin + u.shard_numel;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      StateSlice s;
+      s.name = u.param_names[i];
+      s.shape = u.params[i].sizes().vec();
+      s.dtype = at::kFloat;  // the master shards' dtype, whatever the compute dtype
+      const int64_t off = u.offsets[i], n = u.params[i].numel();
+      const int64_t lo = std::max(off, shard_begin), hi = std::min(off + n, shard_end);
+      if (hi > lo) {
+        s.begin = lo - off;
+        s.end = hi - off;
+        s.stepped_offset = lo - shard_begin;
+      }
+      s.data = u.shard.detach().narrow(0, s.stepped_offset, s.end - s.begin);
+      s.stepped = u.shard;
+      s.replica = replica;
+      s.num_replicas = replicas;
+      sharded.emplace(s.name, std::move(s));
+    }
+  }
+  // Module order; frozen parameters and buffers are not in any unit and held in full.
+  StateLayout rest = replicated_state_layout(*module_, comm_, "");
+  for (auto& s : rest.slices) {
+    auto it = sharded.find(s.name);
+    layout.slices.push_back(it != sharded.end() && s.kind == StateSlice::Kind::kParameter
+                                ? std::move(it->second)
+                                : std::move(s));
+  }
+  return layout;
+}
+
+void FullyShardedDataParallel::Impl::state_loaded() {
+  // The shards changed: no gathered copy may be reused; each is rebuilt at its next use.
+  for (auto& u : units_) release(u);
+}
+
 // --- public wrapper ---
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
@@ -596,6 +651,8 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_s
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::sharded_state_dict() {
   return impl_->sharded_state_dict();
 }
+StateLayout FullyShardedDataParallel::state_layout() { return impl_->state_layout(); }
+void FullyShardedDataParallel::state_loaded() { impl_->state_loaded(); }
 std::vector<std::string> FullyShardedDataParallel::last_collective_log() const {
   std::lock_guard<std::mutex> lock(impl_->mu_);
   return impl_->log_;

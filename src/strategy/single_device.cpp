@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "dtrain/errors.h"
+#include "strategy/state_layout.h"
 
 namespace dtrain {
 
@@ -34,6 +35,10 @@ int64_t SingleDevice::model_state_bytes(const std::vector<at::Tensor>& optimizer
     all.push_back(p.grad());
   }
   return tensor_bytes(all);
+}
+
+StateLayout SingleDevice::state_layout() {
+  return replicated_state_layout(*module_, nullptr, "single device");
 }
 
 }  // namespace dtrain

@@ -5,6 +5,8 @@
 
 #include <unordered_set>
 
+#include "dtrain/errors.h"
+
 namespace dtrain {
 
 double Strategy::clip_grad_norm(double max_norm) {
@@ -18,6 +20,11 @@ double Strategy::clip_grad_norm(double max_norm) {
     }
   }
   return norm;
+}
+
+StateLayout Strategy::state_layout() {
+  throw InvalidArgument(ErrorContext{rank(), world_size(), "state_layout", -1},
+                        "strategy '" + name() + "' does not support checkpoints");
 }
 
 int64_t tensor_bytes(const std::vector<at::Tensor>& tensors) {

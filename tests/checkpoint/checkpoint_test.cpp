@@ -1,0 +1,340 @@
+// save_checkpoint / load_checkpoint across strategies and world sizes: a checkpoint written
+// by single, DDP or FSDP (every sharding) on N ranks, in either form, loads under every
+// other on M ranks (threads as ranks) with parameters, frozen parameters, buffers and AdamW
+// state (moments and step counts) exactly equal, and the next step then matches the
+// writer's next step. Plus the refusals: other model, other optimizer, corrupted files.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "compat/torch_compat.h"
+#include "dtrain/checkpoint.h"
+#include "dtrain/data_parallel.h"
+#include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/single_device.h"
+#include "strategy/training.h"
+#include "support/check.h"
+#include "support/temp_dir.h"
+
+namespace dtrain {
+namespace {
+
+using namespace dtrain::testing;
+namespace fs = std::filesystem;
+
+constexpr int64_t kGlobalRows = 12;  // divisible by 1, 2, 3 and 4 ranks
+
+struct RankSetup {
+  std::string name;
+  std::string strategy;  // single | ddp | fsdp
+  int world = 1;
+  ShardingStrategy sharding = ShardingStrategy::kFullShard;
+  int group = 0;  // hybrid shard group size
+};
+
+std::vector<Batch> global_batches() {
+  torch::manual_seed(99);
+  std::vector<Batch> out;
+  for (int s = 0; s < 3; ++s) {
+    out.push_back({at::randint(0, 50, {kGlobalRows, 8}), at::randint(0, 50, {kGlobalRows, 8})});
+  }
+  return out;
+}
+
+// The test transformer plus a buffer and a frozen parameter.
+std::shared_ptr<torch::nn::Module> make_ckpt_model() {
+  auto m = make_model(Model::kTransformer, 7);
+  m->register_buffer("counter", at::arange(5, at::kFloat) * 3);
+  m->register_parameter("frozen", at::randn({3, 2}), /*requires_grad=*/false);
+  return m;
+}
+
+struct Rank {
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<Strategy> strategy;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  int rank = 0, world = 1;
+
+  void step(const Batch& b) {
+    const int64_t rows = kGlobalRows / world;
+    at::Tensor x = b.x.narrow(0, rank * rows, rows), y = b.y.narrow(0, rank * rows, rows);
+    for (auto& p : strategy->parameters()) p.mutable_grad().reset();
+    at::Tensor l =
+        strategy->forward([&] { return loss_of(Model::kTransformer, *module, x, y, false); });
+    strategy->backward(l);
+    opt->step();
+  }
+};
+
+// Runs fn on setup.world rank threads, each with a strategy built per `setup`.
+void run_setup(const RankSetup& setup, const std::function<void(Rank&)>& fn) {
+  auto store = make_memory_store();
+  std::mutex mu;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < setup.world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        at::set_num_threads(1);
+        Rank rk;
+        rk.rank = r;
+        rk.world = setup.world;
+        rk.module = make_ckpt_model();
+        if (setup.strategy == "single") {
+          rk.strategy = std::make_shared<SingleDevice>(rk.module);
+        } else {
+          auto comm = make_communicator(store, r, setup.world);
+          if (setup.strategy == "ddp") {
+            rk.strategy = std::make_shared<DataParallel>(rk.module, comm);
+          } else {
+            FsdpOptions o;
+            o.sharding = setup.sharding;
+            o.wrap_policy = wrap_modules_named("BlockImpl");
+            if (setup.group > 0) {
+              auto g = make_hybrid_groups(store, r, setup.world, setup.group);
+              o.shard_group = g.shard_group;
+              o.replicate_group = g.replicate_group;
+            }
+            rk.strategy = std::make_shared<FullyShardedDataParallel>(rk.module, comm, o);
+          }
+        }
+        rk.opt = std::make_unique<torch::optim::AdamW>(
+            rk.strategy->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-4));
+        fn(rk);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+// The full logical state (every tensor, AdamW moments, step counts) on every rank, built
+// from state_layout() with collectives only (independent of the checkpoint files).
+std::map<std::string, at::Tensor> logical_state(Rank& rk) {
+  StateLayout layout = rk.strategy->state_layout();
+  std::map<std::string, at::Tensor> out;
+  auto combine = [&](at::Tensor t, ReduceOp op) {
+    if (layout.comm && layout.comm->world_size() > 1) layout.comm->all_reduce(t, op)->wait();
+    return t;
+  };
+  auto& state = rk.opt->state();
+  for (const auto& s : layout.slices) {
+    const int64_t n = std::accumulate(s.shape.begin(), s.shape.end(), int64_t{1},
+                                      std::multiplies<int64_t>());
+    at::Tensor d = at::zeros({n}, at::kFloat), m = at::zeros({n}), v = at::zeros({n});
+    at::Tensor step = at::zeros({1}, at::kLong);
+    if (s.replica == 0) {
+      d.narrow(0, s.begin, s.end - s.begin).copy_(s.data);
+      if (s.stepped.defined()) {
+        auto it = state.find(compat::optimizer_state_key(state, s.stepped));
+        if (it != state.end()) {
+          auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+          m.narrow(0, s.begin, s.end - s.begin)
+              .copy_(st.exp_avg().reshape({-1}).narrow(0, s.stepped_offset, s.end - s.begin));
+          v.narrow(0, s.begin, s.end - s.begin)
+              .copy_(st.exp_avg_sq().reshape({-1}).narrow(0, s.stepped_offset, s.end - s.begin));
+          step.fill_(st.step());
+        }
+      }
+    }
+    out[s.name] = combine(d, ReduceOp::kSum);
+    out["exp_avg/" + s.name] = combine(m, ReduceOp::kSum);
+    out["exp_avg_sq/" + s.name] = combine(v, ReduceOp::kSum);
+    out["step/" + s.name] = combine(step, ReduceOp::kMax);
+  }
+  return out;
+}
+
+// Writers and readers: every strategy and sharding, world sizes 1 to 4 on both sides.
+const std::vector<RankSetup>& writers() {
+  static const std::vector<RankSetup> all = {
+      {"single1", "single", 1},
+      {"ddp2", "ddp", 2},
+      {"fsdp_full3", "fsdp", 3, ShardingStrategy::kFullShard},
+      {"fsdp_gradop3", "fsdp", 3, ShardingStrategy::kShardGradOp},
+      {"fsdp_noshard2", "fsdp", 2, ShardingStrategy::kNoShard},
+      {"fsdp_hybrid4", "fsdp", 4, ShardingStrategy::kHybridShard, 2},
+      {"fsdp_full4", "fsdp", 4, ShardingStrategy::kFullShard},
+  };
+  return all;
+}
+const std::vector<RankSetup>& readers() {
+  static const std::vector<RankSetup> all = {
+      {"single1", "single", 1},
+      {"ddp3", "ddp", 3},
+      {"fsdp_full2", "fsdp", 2, ShardingStrategy::kFullShard},
+      {"fsdp_gradop4", "fsdp", 4, ShardingStrategy::kShardGradOp},
+      {"fsdp_noshard3", "fsdp", 3, ShardingStrategy::kNoShard},
+      {"fsdp_hybrid4", "fsdp", 4, ShardingStrategy::kHybridShard, 2},
+  };
+  return all;
+}
+
+// Writer: two steps, save, a third step. Every reader: load, same state exactly, then a
+// third step matching the writer's.
+void any_to_any(CheckpointFormat format) {
+  const auto data = global_batches();
+  for (const RankSetup& w : writers()) {
+    TempDir dir("ckpt_any");
+    std::map<std::string, at::Tensor> saved, after;
+    std::mutex mu;
+    run_setup(w, [&](Rank& rk) {
+      rk.step(data[0]);
+      rk.step(data[1]);
+      auto before = logical_state(rk);
+      TrainingState st;
+      st.step = 2;
+      st.values["epoch"] = "1";
+      st.tensors["ema"] = at::full({2}, 0.5);
+      CheckpointOptions o;
+      o.format = format;
+      save_checkpoint(dir.path().string(), *rk.strategy, rk.opt.get(), st, o);
+      rk.step(data[2]);
+      auto next = logical_state(rk);
+      std::lock_guard<std::mutex> lock(mu);
+      if (rk.rank == 0) saved = before, after = next;
+    });
+    const std::string path = latest_checkpoint(dir.path().string());
+    ASSERT_EQ(path, (dir.path() / "step_000000002").string());
+    for (const RankSetup& r : readers()) {
+      SCOPED_TRACE(w.name + " -> " + r.name);
+      run_setup(r, [&](Rank& rk) {
+        CheckpointStats stats;
+        TrainingState st = load_checkpoint(path, *rk.strategy, rk.opt.get(), {}, &stats);
+        DTRAIN_CHECK(st.step == 2 && st.values.at("epoch") == "1", "training state");
+        DTRAIN_CHECK(at::equal(st.tensors.at("ema"), at::full({2}, 0.5)), "extra tensor");
+        auto got = logical_state(rk);
+        DTRAIN_CHECK(got.size() == saved.size(), "tensor count {} vs {}", got.size(), saved.size());
+        for (const auto& [name, want] : saved) {
+          DTRAIN_CHECK(at::equal(got.at(name), want), "rank {}: {} differs after the round trip",
+                       rk.rank, name);
+        }
+        rk.step(data[2]);
+        auto next = logical_state(rk);
+        for (const auto& [name, want] : after) {
+          if (name.rfind("step/", 0) == 0) {
+            DTRAIN_CHECK(at::equal(next.at(name), want), "{} after the next step", name);
+            continue;
+          }
+          DTRAIN_CHECK(at::allclose(next.at(name), want, 1e-4, 1e-6),
+                       "rank {}: {} after the next step differs: max |diff| {}", rk.rank, name,
+                       (next.at(name) - want).abs().max().item<double>());
+        }
+      });
+    }
+  }
+}
+
+TEST(Checkpoint, AnyToAnySharded) { any_to_any(CheckpointFormat::kSharded); }
+TEST(Checkpoint, AnyToAnyFull) { any_to_any(CheckpointFormat::kFull); }
+
+// Sharded FSDP: a rank writes and reads about its share, never the whole model.
+TEST(Checkpoint, ShardedFsdpBytesPerRank) {
+  TempDir dir("ckpt_bytes");
+  const auto data = global_batches();
+  std::vector<int64_t> written(4), read(4);
+  RankSetup s{"fsdp_full4", "fsdp", 4, ShardingStrategy::kFullShard};
+  run_setup(s, [&](Rank& rk) {
+    rk.step(data[0]);
+    TrainingState st;
+    st.step = 1;
+    written[rk.rank] = save_checkpoint(dir.path().string(), *rk.strategy, rk.opt.get(), st).bytes;
+    CheckpointStats ls;
+    load_checkpoint(latest_checkpoint(dir.path().string()), *rk.strategy, rk.opt.get(), {}, &ls);
+    read[rk.rank] = ls.bytes;
+  });
+  int64_t total = 0;
+  for (int r = 1; r < 4; ++r) total += written[r];
+  for (int r = 1; r < 4; ++r) {
+    // Rank 0 also writes extra.safetensors; the others write a quarter each (± rounding).
+    EXPECT_GT(written[r], 0);
+    EXPECT_LT(written[r], total / 3 * 1.2) << r;
+    EXPECT_LT(read[r], 2 * (total / 3) + 2 * (1 << 20)) << r;  // chunk-rounded
+  }
+}
+
+// Refusals: every message is one line naming the file and the problem, and nothing is
+// loaded into the model when a check fails.
+TEST(Checkpoint, RefusesMismatchedAndCorruptedCheckpoints) {
+  TempDir dir("ckpt_bad");
+  const std::string d = dir.path().string();
+  auto module = make_ckpt_model();
+  SingleDevice single(module);
+  const auto data = global_batches();
+  Rank rk{module, std::shared_ptr<Strategy>(&single, [](Strategy*) {}), nullptr, 0, 1};
+  rk.opt = std::make_unique<torch::optim::AdamW>(single.parameters(),
+                                                 torch::optim::AdamWOptions(1e-2));
+  rk.step(data[0]);
+  TrainingState st;
+  st.step = 1;
+  save_checkpoint(d, single, rk.opt.get(), st);
+  const std::string path = latest_checkpoint(d);
+  const std::string file = path + "/rank00000.safetensors";
+
+  auto expect_refused = [&](Strategy& s, torch::optim::Optimizer* o,
+                            std::initializer_list<std::string> parts) {
+    const at::Tensor before = module->named_parameters()["h0.qkv.weight"].clone();
+    try {
+      load_checkpoint(path, s, o);
+      ADD_FAILURE() << "loaded; expected " << *parts.begin();
+    } catch (const CheckpointError& e) {
+      const std::string what = e.what();
+      for (const auto& p : parts) EXPECT_NE(what.find(p), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    }
+    EXPECT_TRUE(at::equal(before, module->named_parameters()["h0.qkv.weight"]));
+  };
+
+  // Another model shape.
+  {
+    torch::manual_seed(1);
+    auto other = TinyTransformer(50, 8, 24, 2, 2).ptr();
+    SingleDevice s(other);
+    expect_refused(s, nullptr, {"MANIFEST", "model mismatch", "\"wte.weight\" is F32 [50, 16] in the "
+                                "checkpoint but F32 [50, 24] in the model"});
+  }
+  // Another optimizer.
+  {
+    torch::optim::SGD sgd(single.parameters(), torch::optim::SGDOptions(0.1));
+    expect_refused(single, &sgd, {"optimizer mismatch", "AdamW state, the optimizer is SGD"});
+  }
+  // A flipped byte in the data file: refused by its checksum.
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  auto rewrite = [&](const std::string& b) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc)
+        .write(b.data(), static_cast<std::streamsize>(b.size()));
+  };
+  std::string flipped = bytes;
+  flipped[flipped.size() - 5] ^= 0x10;
+  rewrite(flipped);
+  expect_refused(single, rk.opt.get(), {file, "checksum mismatch"});
+  rewrite(bytes.substr(0, bytes.size() - 100));
+  expect_refused(single, rk.opt.get(), {file, "truncated"});
+  // A file of another checkpoint swapped in: same size is unlikely; checksums refuse it.
+  rewrite(std::string(bytes.size(), 'x'));
+  expect_refused(single, rk.opt.get(), {file, "checksum mismatch"});
+  rewrite(bytes);
+  EXPECT_NO_THROW(load_checkpoint(path, single, rk.opt.get()));
+  // Not a checkpoint at all.
+  fs::remove(path + "/MANIFEST");
+  expect_refused(single, nullptr, {path, "MANIFEST", "missing"});
+}
+
+}  // namespace
+}  // namespace dtrain
