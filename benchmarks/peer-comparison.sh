@@ -16,6 +16,7 @@ mkdir -p "$out"
 . "$root/benchmarks/peer-setup.sh"
 train="$build/examples/gpt2/gpt2_train"
 [ -x "$train" ] || "$root/scripts/build.sh"
+peer_same_blas_kernel
 dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1)
 py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --steps "$steps" "$@"; }
 # dtrain runs twice per strategy: with the model code PyTorch's script runs (--loss standard:

@@ -26,10 +26,11 @@ mkdir -p "$out"
 train="$build/examples/gpt2/gpt2_train"
 if [ -f "$build/CMakeCache.txt" ]; then
   # An existing build may predate --profile_out: bring the trainer up to date (a no-op if it is).
-  cmake --build "$build" -j "${DTRAIN_JOBS:-$(nproc)}" --target gpt2_train >/dev/null
+  cmake --build "$build" -j "${DTRAIN_JOBS:-$(nproc)}" --target gpt2_train dtrain-run >/dev/null
 else
   "$root/scripts/build.sh"
 fi
+peer_same_blas_kernel
 dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1
   --profile_steps "$profile_steps")
 py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --steps "$steps" \

@@ -9,3 +9,15 @@ if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
 fi
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+
+# Both sides load the same OpenBLAS, but where it falls back to a generic kernel gpt2_train
+# selects a better one for itself (--blas_kernel auto) and PyTorch does not. Called once the
+# build exists: exports that choice (dtrain-run --blas_info) for both, so they run one kernel.
+peer_same_blas_kernel() {
+  local vars v
+  vars=$("$build/src/launcher/dtrain-run" --blas_info | sed -n 's/^ranks get: //p')
+  for v in $vars; do # KEY=VALUE words, or "no BLAS variables"
+    case "$v" in *=*) export "${v?}" ;; esac
+  done
+  case "$vars" in *=*) echo "peer: both sides run with $vars" >&2 ;; esac
+}

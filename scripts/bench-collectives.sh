@@ -46,6 +46,7 @@ export OMP_NUM_THREADS=1
   echo "libtorch: $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo '?')," \
     "gloo: $(dpkg-query -W -f='${Version}' libgloo-dev 2>/dev/null || echo '?')"
   echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo none)"
+  "$build/src/launcher/dtrain-run" --blas_info || echo "blas: dtrain-run --blas_info failed"
 } >"$out/env.txt"
 
 # Google Benchmark CSV -> one .dat per (collective, ranks). Sizes come from the benchmark

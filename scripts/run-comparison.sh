@@ -10,7 +10,7 @@
 #   <run>.log     the run's console output (ends with a generated sample)
 #   README.md     summary table (each strategy vs single as a ratio) and the figures
 #   *.png         throughput, gradient norm, time, memory per epoch; loss curves (gnuplot)
-#   env.txt       machine, load, versions, the exact commands
+#   env.txt       machine, load, versions, the BLAS and its kernel, the exact commands
 #
 # The default is sized for a 2-core CPU (7 min 12 s measured there, warm build): the tiny preset
 # (16.1M parameters, context 128), a global batch of 8 sequences, and "epochs" of 20 steps
@@ -93,6 +93,9 @@ done
   echo "libtorch: $(dpkg-query -W -f='${Version}' libtorch-dev 2>/dev/null || echo '?')"
   echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo none)"
   echo "OMP_WAIT_POLICY=$OMP_WAIT_POLICY"
+  # The BLAS the runs load and its kernel; gpt2_train --blas_kernel auto (the default) decides
+  # what "ranks get" says the same way, for its ranks and its single process (docs/blas.md).
+  "$build/src/launcher/dtrain-run" --blas_info || echo "blas: dtrain-run --blas_info failed"
 } >"$out/env.txt"
 
 failed=()
@@ -169,6 +172,13 @@ summary() {
     "(1/8 held out for validation), global batch $global_batch sequences, ranks: $nproc for" \
     "ddp/fsdp, device $device. Every run sees the same data in the same order and starts" \
     "from the same weights. Extra flags: \`${train_args:-none}\`."
+  echo
+  # What each run's rank 0 reported loading (the metrics' blas and blas_kernel).
+  blas_runs=$(for name in "${names[@]}"; do
+    awk "$json_awk"'/"kind": "step"/ { print get($0, "blas") ", kernel " get($0, "blas_kernel"); exit }' \
+      "$out/$name.jsonl"
+  done | sort -u | paste -sd ';' | sed 's/;/; /g')
+  echo "BLAS: ${blas_runs:-unknown} (how it is chosen: docs/blas.md)."
   echo
   echo "| run | ranks | tokens/s | vs single | time/epoch (s) | vs single | peak RSS/rank (MiB) | max vs single | model state/rank (MiB) | vs single | final loss | final val loss | final grad norm | comm wait/step (s) |"
   echo "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
