@@ -3,8 +3,8 @@
 //
 // OpenBLAS (a DYNAMIC_ARCH build, as Debian's) chooses its kernels once, when it loads, from
 // the CPU model. On a CPU it does not know it falls back to a generic family ("Prescott",
-// SSE3) or to an older one than the CPU supports (Debian's 0.3.21 runs "Haswell", AVX2, on an
-// AVX-512 Zen 5), and matrix products run 2-4x slower than they could. It honours the
+// SSE3) or to an older one than the CPU supports, and matrix products run several times
+// slower than they could (4.5x for Prescott vs SkylakeX on an AVX-512 Xeon). It honours the
 // OPENBLAS_CORETYPE environment variable, but only at load time, so a process can only be
 // *started* with a better choice: plan_blas_kernel() decides it, and dtrain-run and gpt2_train
 // add the result to the environment of the processes they start. A value the user set in
