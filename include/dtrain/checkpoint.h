@@ -69,9 +69,9 @@ struct CheckpointOptions {
 
 // What a save or load did on this rank.
 struct CheckpointStats {
-  std::string path;         // the checkpoint directory
-  int64_t bytes = 0;        // bytes this rank wrote (save) or read from disk (load)
-  double seconds = 0;       // wall time of the call on this rank
+  std::string path;    // the checkpoint directory
+  int64_t bytes = 0;   // bytes this rank wrote (save) or read from disk (load)
+  double seconds = 0;  // wall time of the call on this rank
 };
 
 // Saves the training state into DIR/step_<state.step> (see the header comment). Collective:

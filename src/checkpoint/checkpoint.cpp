@@ -48,9 +48,12 @@ constexpr const char* kFullFile = "model.safetensors";
 
 const char* kind_name(Kind k) {
   switch (k) {
-    case Kind::kParameter: return "parameter";
-    case Kind::kFrozenParameter: return "frozen";
-    case Kind::kBuffer: return "buffer";
+    case Kind::kParameter:
+      return "parameter";
+    case Kind::kFrozenParameter:
+      return "frozen";
+    case Kind::kBuffer:
+      return "buffer";
   }
   return "?";
 }
@@ -101,10 +104,14 @@ class OptimizerAdapter {
   bool active() const { return type_ != OptType::kNone; }
   const char* type_name() const {
     switch (type_) {
-      case OptType::kAdamW: return "AdamW";
-      case OptType::kAdam: return "Adam";
-      case OptType::kSgd: return "SGD";
-      case OptType::kNone: break;
+      case OptType::kAdamW:
+        return "AdamW";
+      case OptType::kAdam:
+        return "Adam";
+      case OptType::kSgd:
+        return "SGD";
+      case OptType::kNone:
+        break;
     }
     return "none";
   }
@@ -273,7 +280,8 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
       a[2 * i] = 1;
       a[2 * i + 1] = st.step;
       for (const auto& t : st.tensors) {
-        local[i].opt.push_back(t.detach().reshape({-1}).narrow(0, s.stepped_offset, s.end - s.begin));
+        local[i].opt.push_back(
+            t.detach().reshape({-1}).narrow(0, s.stepped_offset, s.end - s.begin));
       }
     }
     if (ranks.many()) ranks.comm->all_reduce(agree, ReduceOp::kMax)->wait();
@@ -337,7 +345,8 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
         info.dtype = t.scalar_type();
         info.shape = {t.numel()};
         file_layout.push_back(info);
-        pieces.push_back(ck::Json(ck::Json::Array{ck::Json(info.name), ck::Json(wb), ck::Json(we)}));
+        pieces.push_back(
+            ck::Json(ck::Json::Array{ck::Json(info.name), ck::Json(wb), ck::Json(we)}));
         data.push_back(t);
       }
       ck::Json sidecar = ck::Json::object();
@@ -381,9 +390,8 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
           info.dtype = k < 0 ? s.dtype : s.stepped.scalar_type();
           info.shape = s.shape;
           file_layout.push_back(info);
-          pieces.push_back(
-              ck::Json(ck::Json::Array{ck::Json(info.name), ck::Json(int64_t{0}),
-                                       ck::Json(numel_of(s.shape))}));
+          pieces.push_back(ck::Json(ck::Json::Array{ck::Json(info.name), ck::Json(int64_t{0}),
+                                                    ck::Json(numel_of(s.shape))}));
         }
         ck::SafetensorsWriter w((fs::path(tmp) / kFullFile).string(), file_layout);
         for (size_t n = 0; n < items.size(); ++n) {
@@ -410,9 +418,9 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
             covered = e;
           }
           if (covered != buf.numel()) {
-            throw InvalidArgument(ranks.ctx("save_checkpoint"),
-                                  fmt::format("the ranks' slices of '{}' do not cover it exactly",
-                                              info.name));
+            throw InvalidArgument(
+                ranks.ctx("save_checkpoint"),
+                fmt::format("the ranks' slices of '{}' do not cover it exactly", info.name));
           }
           w.write(buf);
         }
@@ -434,8 +442,7 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
         extra.emplace_back(fmt::format("rng/cpu/{}", r),
                            all_rng.narrow(0, r * rng.numel(), rng.numel()));
       }
-      const ck::FileDigest d =
-          ck::write_safetensors((fs::path(tmp) / kExtraFile).string(), extra);
+      const ck::FileDigest d = ck::write_safetensors((fs::path(tmp) / kExtraFile).string(), extra);
       stats.bytes += static_cast<int64_t>(d.size);
       files.set(kExtraFile, file_entry(d, ck::Json(ck::Json::Array{})));
     }
@@ -509,7 +516,8 @@ class CheckpointReader {
     manifest_ = ck::read_manifest(path_);
     manifest_path_ = (fs::path(path_) / ck::kManifestName).string();
     try {
-      if (manifest_.at("format").as_string() != "dtrain-checkpoint") fail("not a dtrain checkpoint");
+      if (manifest_.at("format").as_string() != "dtrain-checkpoint")
+        fail("not a dtrain checkpoint");
       for (const auto& [file, entry] : manifest_.at("files").as_object()) {
         if (file.find('/') != std::string::npos || file.empty() || file[0] == '.') {
           fail(fmt::format("bad file name \"{}\"", file));
@@ -645,16 +653,18 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
           reader.fail("the checkpoint holds no optimizer state (load it with a null optimizer)");
         }
         if (o.at("type").as_string() != opt.type_name()) {
-          reader.fail(fmt::format("optimizer mismatch: the checkpoint holds {} state, the "
-                                  "optimizer is {}",
-                                  o.at("type").as_string(), opt.type_name()));
+          reader.fail(
+              fmt::format("optimizer mismatch: the checkpoint holds {} state, the "
+                          "optimizer is {}",
+                          o.at("type").as_string(), opt.type_name()));
         }
         std::vector<std::string> kinds;
         for (const auto& k : o.at("state").as_array()) kinds.push_back(k.as_string());
         if (kinds != opt.kinds()) {
-          reader.fail(fmt::format("optimizer mismatch: the checkpoint holds state [{}], the "
-                                  "optimizer keeps [{}] (amsgrad or momentum differ)",
-                                  fmt::join(kinds, ", "), fmt::join(opt.kinds(), ", ")));
+          reader.fail(
+              fmt::format("optimizer mismatch: the checkpoint holds state [{}], the "
+                          "optimizer keeps [{}] (amsgrad or momentum differ)",
+                          fmt::join(kinds, ", "), fmt::join(opt.kinds(), ", ")));
         }
         for (const auto& lr : o.at("lr").as_array()) lrs.push_back(lr.as_double());
       }

@@ -32,8 +32,7 @@ const Tables& tables() {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const uint8_t* p,
-                                                         size_t n) {
+__attribute__((target("sse4.2"))) uint32_t crc32c_sse42(uint32_t crc, const uint8_t* p, size_t n) {
   uint64_t c = ~crc;
   while (n >= 8) {
     uint64_t v;

@@ -68,8 +68,8 @@ Json read_manifest(const std::string& checkpoint_path) {
   const std::string path = (fs::path(checkpoint_path) / kManifestName).string();
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    throw CheckpointError(fmt::format(
-        "{}: missing: {} is not a complete dtrain checkpoint", path, checkpoint_path));
+    throw CheckpointError(
+        fmt::format("{}: missing: {} is not a complete dtrain checkpoint", path, checkpoint_path));
   }
   const std::string text = read_small_file(path, kMaxManifestBytes);
   const size_t eol = text.find('\n');
@@ -83,8 +83,8 @@ Json read_manifest(const std::string& checkpoint_path) {
     throw CheckpointError(fmt::format("{}: not a dtrain checkpoint manifest (foreign file)", path));
   }
   if (version != kFormatVersion) {
-    throw CheckpointError(fmt::format(
-        "{}: format version {}, this build reads version {}", path, version, kFormatVersion));
+    throw CheckpointError(fmt::format("{}: format version {}, this build reads version {}", path,
+                                      version, kFormatVersion));
   }
   std::string json = text.substr(eol + 1);
   if (!json.empty() && json.back() == '\n') json.pop_back();

@@ -155,9 +155,9 @@ void VerifiedFile::read(uint64_t offset, void* out, size_t n) {
     read_exact(fd_, path_, begin, buf.data(), len);
     bytes_read_ += len;
     if (crc32c(0, buf.data(), len) != expected_.chunk_crcs[k]) {
-      throw CheckpointError(fmt::format(
-          "{}: checksum mismatch in bytes [{}, {}): the file is corrupted", path_, begin,
-          begin + len));
+      throw CheckpointError(
+          fmt::format("{}: checksum mismatch in bytes [{}, {}): the file is corrupted", path_,
+                      begin, begin + len));
     }
     verified_[k] = true;
     std::memcpy(dst, buf.data() + (lo - begin), hi - lo);

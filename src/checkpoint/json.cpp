@@ -10,13 +10,20 @@ namespace dtrain::checkpoint {
 
 const char* to_string(Json::Type type) {
   switch (type) {
-    case Json::Type::kNull: return "null";
-    case Json::Type::kBool: return "boolean";
-    case Json::Type::kInt: return "integer";
-    case Json::Type::kDouble: return "number";
-    case Json::Type::kString: return "string";
-    case Json::Type::kArray: return "array";
-    case Json::Type::kObject: return "object";
+    case Json::Type::kNull:
+      return "null";
+    case Json::Type::kBool:
+      return "boolean";
+    case Json::Type::kInt:
+      return "integer";
+    case Json::Type::kDouble:
+      return "number";
+    case Json::Type::kString:
+      return "string";
+    case Json::Type::kArray:
+      return "array";
+    case Json::Type::kObject:
+      return "object";
   }
   return "?";
 }
@@ -49,11 +56,21 @@ void dump_string(std::string& out, const std::string& s) {
   out += '"';
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           out += fmt::format("\\u{:04x}", c);
@@ -67,9 +84,15 @@ void dump_string(std::string& out, const std::string& s) {
 
 void dump_to(std::string& out, const Json& j) {
   switch (j.type()) {
-    case Json::Type::kNull: out += "null"; break;
-    case Json::Type::kBool: out += j.as_bool() ? "true" : "false"; break;
-    case Json::Type::kInt: out += std::to_string(j.as_int()); break;
+    case Json::Type::kNull:
+      out += "null";
+      break;
+    case Json::Type::kBool:
+      out += j.as_bool() ? "true" : "false";
+      break;
+    case Json::Type::kInt:
+      out += std::to_string(j.as_int());
+      break;
     case Json::Type::kDouble: {
       const double d = j.as_double();
       if (!std::isfinite(d)) throw JsonError("JSON cannot hold a non-finite number");
@@ -78,7 +101,9 @@ void dump_to(std::string& out, const Json& j) {
       out += text;
       break;
     }
-    case Json::Type::kString: dump_string(out, j.as_string()); break;
+    case Json::Type::kString:
+      dump_string(out, j.as_string());
+      break;
     case Json::Type::kArray: {
       out += '[';
       bool first = true;
@@ -208,10 +233,14 @@ class JsonParser {
     for (int i = 0; i < 4; ++i) {
       const char h = s_[pos_++];
       v <<= 4;
-      if (h >= '0' && h <= '9') v |= h - '0';
-      else if (h >= 'a' && h <= 'f') v |= h - 'a' + 10;
-      else if (h >= 'A' && h <= 'F') v |= h - 'A' + 10;
-      else fail("bad hex digit in \\u escape");
+      if (h >= '0' && h <= '9')
+        v |= h - '0';
+      else if (h >= 'a' && h <= 'f')
+        v |= h - 'a' + 10;
+      else if (h >= 'A' && h <= 'F')
+        v |= h - 'A' + 10;
+      else
+        fail("bad hex digit in \\u escape");
     }
     return v;
   }
@@ -231,14 +260,30 @@ class JsonParser {
       if (pos_ >= s_.size()) fail("unterminated escape");
       const char e = s_[pos_++];
       switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
+        case '"':
+          out += '"';
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '/':
+          out += '/';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
         case 'u': {
           uint32_t cp = hex4();
           if (cp >= 0xD800 && cp < 0xDC00) {
@@ -252,7 +297,8 @@ class JsonParser {
           append_utf8(out, cp);
           break;
         }
-        default: fail(fmt::format("bad escape '\\{}'", e));
+        default:
+          fail(fmt::format("bad escape '\\{}'", e));
       }
     }
   }

@@ -26,14 +26,14 @@ class Json {
   using Array = std::vector<Json>;
 
   Json() = default;
-  Json(bool b) : type_(Type::kBool), bool_(b) {}                   // NOLINT
-  Json(int v) : type_(Type::kInt), int_(v) {}                      // NOLINT
-  Json(int64_t v) : type_(Type::kInt), int_(v) {}                  // NOLINT
-  Json(uint32_t v) : type_(Type::kInt), int_(v) {}                 // NOLINT
-  Json(double v) : type_(Type::kDouble), double_(v) {}             // NOLINT
+  Json(bool b) : type_(Type::kBool), bool_(b) {}                     // NOLINT
+  Json(int v) : type_(Type::kInt), int_(v) {}                        // NOLINT
+  Json(int64_t v) : type_(Type::kInt), int_(v) {}                    // NOLINT
+  Json(uint32_t v) : type_(Type::kInt), int_(v) {}                   // NOLINT
+  Json(double v) : type_(Type::kDouble), double_(v) {}               // NOLINT
   Json(std::string s) : type_(Type::kString), str_(std::move(s)) {}  // NOLINT
-  Json(const char* s) : type_(Type::kString), str_(s) {}           // NOLINT
-  Json(Array a) : type_(Type::kArray), array_(std::move(a)) {}      // NOLINT
+  Json(const char* s) : type_(Type::kString), str_(s) {}             // NOLINT
+  Json(Array a) : type_(Type::kArray), array_(std::move(a)) {}       // NOLINT
   static Json object() {
     Json j;
     j.type_ = Type::kObject;

@@ -19,11 +19,11 @@ struct DtypeName {
   const char* name;
 };
 constexpr DtypeName kDtypes[] = {
-    {c10::ScalarType::Float, "F32"},  {c10::ScalarType::Half, "F16"},
+    {c10::ScalarType::Float, "F32"},     {c10::ScalarType::Half, "F16"},
     {c10::ScalarType::BFloat16, "BF16"}, {c10::ScalarType::Double, "F64"},
-    {c10::ScalarType::Long, "I64"},   {c10::ScalarType::Int, "I32"},
-    {c10::ScalarType::Short, "I16"},  {c10::ScalarType::Char, "I8"},
-    {c10::ScalarType::Byte, "U8"},    {c10::ScalarType::Bool, "BOOL"},
+    {c10::ScalarType::Long, "I64"},      {c10::ScalarType::Int, "I32"},
+    {c10::ScalarType::Short, "I16"},     {c10::ScalarType::Char, "I8"},
+    {c10::ScalarType::Byte, "U8"},       {c10::ScalarType::Bool, "BOOL"},
 };
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -56,8 +56,7 @@ int64_t SafetensorsTensor::numel() const {
 namespace {
 
 // One header entry into `t` (absolute offsets); throws std::invalid_argument / JsonError.
-void parse_entry(const Json& value, uint64_t data_start, uint64_t data_size,
-                 SafetensorsTensor& t) {
+void parse_entry(const Json& value, uint64_t data_start, uint64_t data_size, SafetensorsTensor& t) {
   using std::invalid_argument;
   if (!value.is_object()) throw invalid_argument("is not an object");
   t.dtype = safetensors_dtype(value.at("dtype").as_string());
@@ -79,13 +78,12 @@ void parse_entry(const Json& value, uint64_t data_start, uint64_t data_size,
   }
   if (static_cast<uint64_t>(e) > data_size) {
     throw invalid_argument(fmt::format(
-        "data_offsets [{}, {}] run past the data section ({} bytes; truncated?)", b, e,
-        data_size));
+        "data_offsets [{}, {}] run past the data section ({} bytes; truncated?)", b, e, data_size));
   }
   const uint64_t need = static_cast<uint64_t>(numel) * c10::elementSize(t.dtype);
   if (static_cast<uint64_t>(e - b) != need) {
-    throw invalid_argument(fmt::format("data_offsets [{}, {}] hold {} bytes but {} {} needs {}",
-                                       b, e, e - b, safetensors_dtype_name(t.dtype),
+    throw invalid_argument(fmt::format("data_offsets [{}, {}] hold {} bytes but {} {} needs {}", b,
+                                       e, e - b, safetensors_dtype_name(t.dtype),
                                        shape_string(t.shape), need));
   }
   t.begin = data_start + static_cast<uint64_t>(b);
@@ -135,7 +133,8 @@ SafetensorsReader::SafetensorsReader(std::unique_ptr<ByteSource> source)
     if (name == "__metadata__") {
       if (!value.is_object()) throw bad("__metadata__ is not an object");
       for (const auto& [k, v] : value.as_object()) {
-        if (!v.is_string()) throw bad(fmt::format("__metadata__ value of \"{}\" is not a string", k));
+        if (!v.is_string())
+          throw bad(fmt::format("__metadata__ value of \"{}\" is not a string", k));
         metadata_[k] = v.as_string();
       }
       continue;
@@ -199,8 +198,7 @@ void SafetensorsReader::read_bytes(const SafetensorsTensor& t, uint64_t byte_off
   source_->read(t.begin + byte_offset, out, n);
 }
 
-SafetensorsWriter::SafetensorsWriter(std::string path,
-                                     const std::vector<SafetensorsTensor>& layout,
+SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<SafetensorsTensor>& layout,
                                      const std::map<std::string, std::string>& metadata)
     : file_(std::move(path)) {
   const std::string& where = file_.path();
@@ -242,8 +240,8 @@ SafetensorsWriter::SafetensorsWriter(std::string path,
 
 void SafetensorsWriter::write(const void* data, size_t n) {
   if (file_.bytes_written() - data_start_ + n > data_bytes_) {
-    throw InvalidArgument(fmt::format("write_safetensors {}: more data than the header declares",
-                                      file_.path()));
+    throw InvalidArgument(
+        fmt::format("write_safetensors {}: more data than the header declares", file_.path()));
   }
   file_.write(data, n);
 }

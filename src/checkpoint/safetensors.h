@@ -85,7 +85,7 @@ class SafetensorsWriter {
 
  private:
   FileWriter file_;
-  uint64_t data_bytes_ = 0;   // declared
+  uint64_t data_bytes_ = 0;  // declared
   uint64_t data_start_ = 0;
 };
 

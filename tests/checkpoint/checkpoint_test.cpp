@@ -108,7 +108,8 @@ void run_setup(const RankSetup& setup, const std::function<void(Rank&)>& fn) {
           }
         }
         rk.opt = std::make_unique<torch::optim::AdamW>(
-            rk.strategy->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-4));
+            rk.strategy->parameters(),
+            torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-4));
         fn(rk);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
@@ -131,8 +132,8 @@ std::map<std::string, at::Tensor> logical_state(Rank& rk) {
   };
   auto& state = rk.opt->state();
   for (const auto& s : layout.slices) {
-    const int64_t n = std::accumulate(s.shape.begin(), s.shape.end(), int64_t{1},
-                                      std::multiplies<int64_t>());
+    const int64_t n =
+        std::accumulate(s.shape.begin(), s.shape.end(), int64_t{1}, std::multiplies<int64_t>());
     at::Tensor d = at::zeros({n}, at::kFloat), m = at::zeros({n}), v = at::zeros({n});
     at::Tensor step = at::zeros({1}, at::kLong);
     if (s.replica == 0) {
@@ -274,8 +275,8 @@ TEST(Checkpoint, RefusesMismatchedAndCorruptedCheckpoints) {
   SingleDevice single(module);
   const auto data = global_batches();
   Rank rk{module, std::shared_ptr<Strategy>(&single, [](Strategy*) {}), nullptr, 0, 1};
-  rk.opt = std::make_unique<torch::optim::AdamW>(single.parameters(),
-                                                 torch::optim::AdamWOptions(1e-2));
+  rk.opt =
+      std::make_unique<torch::optim::AdamW>(single.parameters(), torch::optim::AdamWOptions(1e-2));
   rk.step(data[0]);
   TrainingState st;
   st.step = 1;
@@ -302,8 +303,10 @@ TEST(Checkpoint, RefusesMismatchedAndCorruptedCheckpoints) {
     torch::manual_seed(1);
     auto other = TinyTransformer(50, 8, 24, 2, 2).ptr();
     SingleDevice s(other);
-    expect_refused(s, nullptr, {"MANIFEST", "model mismatch", "\"wte.weight\" is F32 [50, 16] in the "
-                                "checkpoint but F32 [50, 24] in the model"});
+    expect_refused(s, nullptr,
+                   {"MANIFEST", "model mismatch",
+                    "\"wte.weight\" is F32 [50, 16] in the "
+                    "checkpoint but F32 [50, 24] in the model"});
   }
   // Another optimizer.
   {

@@ -20,7 +20,8 @@ namespace {
 using testing::TempDir;
 
 void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  std::ofstream(path, std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 // A safetensors file from its header text and data bytes, with a given size prefix.
@@ -80,9 +81,9 @@ TEST(Json, RoundTripAndEscapes) {
 }
 
 TEST(Json, RefusesMalformedText) {
-  for (const char* bad : {"", "{", "{\"a\":1,}", "{\"a\":1} x", "{\"a\":1,\"a\":2}", "[01]",
-                          "\"\\q\"", "\"\\ud800\"", "\"abc", "99999999999999999999", "{a:1}",
-                          "[1 2]", "nul", "\"a\x01\""}) {
+  for (const char* bad :
+       {"", "{", "{\"a\":1,}", "{\"a\":1} x", "{\"a\":1,\"a\":2}", "[01]", "\"\\q\"", "\"\\ud800\"",
+        "\"abc", "99999999999999999999", "{a:1}", "[1 2]", "nul", "\"a\x01\""}) {
     EXPECT_THROW(Json::parse(bad), JsonError) << bad;
   }
   std::string deep(100, '[');
@@ -94,8 +95,8 @@ TEST(Safetensors, RoundTripEveryDtype) {
   TempDir dir("st");
   const std::string path = dir / "all.safetensors";
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  const c10::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kLong,
-                                    at::kInt,   at::kShort, at::kChar,    at::kByte,   at::kBool};
+  const c10::ScalarType dtypes[] = {at::kFloat, at::kHalf,  at::kBFloat16, at::kDouble, at::kLong,
+                                    at::kInt,   at::kShort, at::kChar,     at::kByte,   at::kBool};
   at::manual_seed(0);
   for (auto dt : dtypes) {
     at::Tensor t = (at::randn({3, 5}) * 50).to(dt);
@@ -188,8 +189,7 @@ TEST(Safetensors, RefusesBadFiles) {
                  "__metadata__ value of \"x\" is not a string");
   expect_refused(raw_file(R"({"__metadata__":[]})", ""), "__metadata__ is not an object");
   expect_refused(
-      raw_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})",
-               d8),
+      raw_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", d8),
       "shape too large");
   // A file that is not there.
   try {
