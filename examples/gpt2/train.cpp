@@ -26,6 +26,10 @@
 #include <thread>
 #include <vector>
 
+#include <signal.h>
+
+#include <csignal>
+
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
@@ -33,10 +37,12 @@
 #include <fmt/format.h>
 
 #include "data.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/dtrain.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/single_device.h"
+#include "hf_weights.h"
 #include "launcher/local_ranks.h"
 #include "metrics.h"
 #include "model.h"
@@ -182,6 +188,30 @@ ABSL_FLAG(std::string, prompt, "My fellow citizens,", "Start of the generated sa
 ABSL_FLAG(int, top_k, 40, "Sample among the k most likely tokens (0: greedy).");
 ABSL_FLAG(double, temperature, 0.8, "Sampling temperature (ignored when greedy).");
 
+// Checkpoints (docs/checkpoints.md)
+ABSL_FLAG(std::string, ckpt_dir, "",
+          "Write checkpoints (model, AdamW state, step) into DIR/step_N. With it, SIGTERM or "
+          "SIGINT makes every rank finish the current step, write a checkpoint and exit "
+          "non-zero (what a scheduler sends before preemption).");
+ABSL_FLAG(int64_t, ckpt_every, 0,
+          "With --ckpt_dir: a checkpoint every N optimizer steps (0: only at the end and on "
+          "SIGTERM/SIGINT); always one after the last step.");
+ABSL_FLAG(int, ckpt_keep, 2, "With --ckpt_dir: complete checkpoints kept (the newest).");
+ABSL_FLAG(bool, resume, false,
+          "Continue from the latest complete checkpoint in --ckpt_dir (start fresh when there "
+          "is none); pass the same flags as the interrupted run. Another strategy or world "
+          "size with the same global batch also resumes.");
+ABSL_FLAG(std::string, ckpt_format, "sharded",
+          "full (rank 0 gathers and writes one file) | sharded (every rank writes its own "
+          "shards; no rank holds the whole model).");
+ABSL_FLAG(std::string, export, "",
+          "After training, write the weights to PATH.safetensors with Hugging Face's GPT-2 "
+          "names and layouts (transformers' GPT2LMHeadModel loads it).");
+ABSL_FLAG(std::string, init_from, "",
+          "Start from the weights of a Hugging Face GPT-2 safetensors file (e.g. gpt2's "
+          "model.safetensors, or one written by --export); the model flags must match its "
+          "shapes. Ignored when --resume finds a checkpoint.");
+
 namespace gpt2 {
 namespace {
 
@@ -220,6 +250,10 @@ struct Config {
   double temperature = 1;
   int top_k = 0, threads = 0, timeout_s = 300, shard_group_size = 0;
   bool forward_prefetch = false;
+  std::string ckpt_dir, ckpt_format, export_path, init_from;
+  int64_t ckpt_every = 0;
+  int ckpt_keep = 2;
+  bool resume = false;
 };
 
 Config config_from_flags() {
@@ -264,6 +298,13 @@ Config config_from_flags() {
   c.top_k = absl::GetFlag(FLAGS_top_k);
   c.threads = absl::GetFlag(FLAGS_threads);
   c.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  c.ckpt_dir = absl::GetFlag(FLAGS_ckpt_dir);
+  c.ckpt_format = absl::GetFlag(FLAGS_ckpt_format);
+  c.ckpt_every = absl::GetFlag(FLAGS_ckpt_every);
+  c.ckpt_keep = absl::GetFlag(FLAGS_ckpt_keep);
+  c.resume = absl::GetFlag(FLAGS_resume);
+  c.export_path = absl::GetFlag(FLAGS_export);
+  c.init_from = absl::GetFlag(FLAGS_init_from);
 
   c.gpt = preset(c.model);
   if (absl::GetFlag(FLAGS_layers) > 0) c.gpt.layers = absl::GetFlag(FLAGS_layers);
@@ -319,6 +360,9 @@ Config config_from_flags() {
   check(c.temperature > 0, "--temperature must be positive");
   check(c.timeout_s > 0, "--timeout_s must be positive");
   check(c.threads >= 0 && c.shard_group_size >= 0, "--threads and --shard_group_size >= 0");
+  check(one_of(c.ckpt_format, {"full", "sharded"}), "--ckpt_format must be full or sharded");
+  check(c.ckpt_every >= 0 && c.ckpt_keep >= 1, "--ckpt_every >= 0 and --ckpt_keep >= 1");
+  check(!c.resume || !c.ckpt_dir.empty(), "--resume needs --ckpt_dir");
   return c;
 }
 
@@ -360,9 +404,25 @@ std::vector<at::Tensor> optimizer_state(torch::optim::AdamW& opt) {
   return out;
 }
 
+// The SIGTERM/SIGINT received (0: none). A signal handler can only reach process-wide
+// state; the training loop reads it once per step and all ranks agree on it (gather()).
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+// With --ckpt_dir: SIGTERM/SIGINT set g_stop_signal instead of killing the process.
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
 // One row per rank of what rank 0 reports, exchanged with a single all-gather per step.
 struct RankValues {
   std::vector<double> loss, peak_rss_mib, model_state_mib;
+  int stop_signal = 0;  // a SIGTERM/SIGINT some rank received (0: none)
 
   static double max_of(const std::vector<double>& v) {
     return *std::max_element(v.begin(), v.end());
@@ -436,6 +496,9 @@ class Trainer {
   RankValues gather(double loss, double model_state_mib);
   double validate();
   void generate_sample();
+  int64_t resume_step(torch::optim::AdamW& opt);
+  std::string save_checkpoint(torch::optim::AdamW& opt, int64_t step);
+  void export_weights();
   void sync_device() {
     if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   }
@@ -560,6 +623,10 @@ void Trainer::setup_model_and_strategy() {
   model_->to(device_);
   say(fmt::format("model: {} ({}), {:.2f}M parameters", c_.model, c_.gpt.to_string(),
                   static_cast<double>(count_parameters(c_.gpt)) / 1e6));
+  if (!c_.init_from.empty()) {
+    init_from_hf_safetensors(c_.init_from, model_);
+    say(fmt::format("model: initialized from {}", c_.init_from));
+  }
   auto module = std::static_pointer_cast<torch::nn::Module>(model_.ptr());
 
   if (c_.strategy == "single") {
@@ -621,7 +688,9 @@ void Trainer::setup_model_and_strategy() {
 RankValues Trainer::gather(double loss, double model_state_mib) {
   const int world = info_.world_size;
   RankValues v;
-  std::vector<double> mine = {loss, peak_rss_mib(), model_state_mib};
+  std::vector<double> mine = {loss, peak_rss_mib(), model_state_mib,
+                              static_cast<double>(g_stop_signal)};
+  v.stop_signal = static_cast<int>(g_stop_signal);
   if (!comm_ || world == 1) {
     v.loss = {mine[0]};
     v.peak_rss_mib = {mine[1]};
@@ -638,6 +707,7 @@ RankValues Trainer::gather(double loss, double model_state_mib) {
     v.loss.push_back(p[r * n + 0]);
     v.peak_rss_mib.push_back(p[r * n + 1]);
     v.model_state_mib.push_back(p[r * n + 2]);
+    v.stop_signal = std::max(v.stop_signal, static_cast<int>(p[r * n + 3]));
   }
   return v;
 }
@@ -759,17 +829,21 @@ void Trainer::run() {
     return j;
   };
 
+  if (!c_.ckpt_dir.empty()) install_stop_handlers();
+  const int64_t start_step = c_.resume ? resume_step(opt) : 0;
   const auto run_start = Clock::now();
-  int64_t step = 0;
+  int64_t step = start_step;
   double last_loss = std::nan(""), last_val = std::nan(""), last_grad_norm = std::nan("");
   double max_rss = 0;
-  for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+  for (int64_t epoch = start_step / steps_per_epoch; epoch < epochs; ++epoch) {
     train_sampler_->set_epoch(epoch);
     const auto epoch_start = Clock::now();
     double val_time = 0, loss_sum = 0, grad_norm_sum = 0, step_time_sum = 0, wait_sum = 0;
     int64_t epoch_steps = 0;
     RankValues values;
-    for (int64_t s = 0; s < steps_per_epoch && step < total_steps; ++s) {
+    const int64_t first_s =
+        epoch == start_step / steps_per_epoch ? start_step % steps_per_epoch : 0;
+    for (int64_t s = first_s; s < steps_per_epoch && step < total_steps; ++s) {
       const double lr = learning_rate(c_, step, total_steps);
       for (auto& group : opt.param_groups()) {
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
@@ -853,6 +927,19 @@ void Trainer::run() {
         j.add("num_collectives", collectives).add("lr", lr);
         metrics_->write(j);
       }
+      // Checkpoints: every --ckpt_every steps, after the last step, and when a rank got
+      // SIGTERM/SIGINT (all ranks learnt it from gather(), so they stop at the same step).
+      const bool every = c_.ckpt_every > 0 && step % c_.ckpt_every == 0;
+      std::string saved;
+      if (!c_.ckpt_dir.empty() && (every || step == total_steps || values.stop_signal != 0)) {
+        saved = save_checkpoint(opt, step);
+      }
+      if (values.stop_signal != 0) {
+        throw std::runtime_error(fmt::format(
+            "stopped by {} after step {}: {}", strsignal(values.stop_signal), step,
+            saved.empty() ? std::string("no checkpoint written (no --ckpt_dir)")
+                          : "checkpoint written to " + saved + "; continue with --resume"));
+      }
     }
     const double epoch_time = seconds_since(epoch_start) - val_time;
     const auto v0 = Clock::now();
@@ -884,8 +971,59 @@ void Trainer::run() {
                   step, format_duration(seconds_since(run_start)), last_loss, last_val,
                   last_grad_norm, max_rss));
   if (op_profile_ && op_profile_->steps() < c_.profile_steps) write_profile(total_steps);
+  if (!c_.export_path.empty()) export_weights();
   generate_sample();
   if (comm_ && info_.world_size > 1) comm_->barrier_sync();  // no rank leaves a peer waiting
+}
+
+// --resume: the step to continue from (0 when --ckpt_dir holds no complete checkpoint).
+int64_t Trainer::resume_step(torch::optim::AdamW& opt) {
+  const std::string latest = dtrain::latest_checkpoint(c_.ckpt_dir);
+  if (latest.empty()) {
+    say(fmt::format("resume: no checkpoint in {}, starting fresh", c_.ckpt_dir));
+    return 0;
+  }
+  dtrain::CheckpointStats stats;
+  const dtrain::TrainingState state = dtrain::load_checkpoint(latest, *strategy_, &opt, {}, &stats);
+  say(fmt::format("resume: step {} from {} ({:.1f} MiB read in {:.2f} s on rank 0)", state.step,
+                  latest, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  return state.step;
+}
+
+std::string Trainer::save_checkpoint(torch::optim::AdamW& opt, int64_t step) {
+  dtrain::CheckpointOptions o;
+  o.format = c_.ckpt_format == "full" ? dtrain::CheckpointFormat::kFull
+                                      : dtrain::CheckpointFormat::kSharded;
+  o.keep = c_.ckpt_keep;
+  dtrain::TrainingState state;
+  state.step = step;
+  state.values["seed"] = std::to_string(c_.seed);
+  state.values["global_batch"] = std::to_string(c_.batch * info_.world_size * c_.grad_accum);
+  const dtrain::CheckpointStats stats =
+      dtrain::save_checkpoint(c_.ckpt_dir, *strategy_, &opt, state, o);
+  say(fmt::format("checkpoint: step {} to {} ({:.1f} MiB written in {:.2f} s on rank 0)", step,
+                  stats.path, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  return stats.path;
+}
+
+// --export: the full fp32 weights (gathered under FSDP, a collective) written by rank 0.
+void Trainer::export_weights() {
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  if (auto* fsdp = dynamic_cast<dtrain::FullyShardedDataParallel*>(strategy_.get())) {
+    auto full = fsdp->full_state_dict();
+    auto names = model_->named_parameters(true);
+    for (auto& [name, t] : full) {
+      if (names.contains(name)) params.emplace_back(name, t);
+    }
+  } else {
+    for (const auto& item : model_->named_parameters(true)) {
+      params.emplace_back(item.key(), item.value());
+    }
+  }
+  if (!rank0()) return;
+  export_hf_safetensors(c_.export_path, params);
+  say(fmt::format("export: {} tensors in Hugging Face GPT-2 layout to {}", params.size(),
+                  c_.export_path));
 }
 
 // Rank 0 with --profile_out: once the profiled steps are done, or at the end of a run too
@@ -919,6 +1057,10 @@ int launch_self(int nproc, int argc, char** argv, const dtrain::BlasKernelPlan& 
   o.argv.push_back(ec ? std::string(argv[0]) : self.string());
   for (int i = 1; i < argc; ++i) o.argv.emplace_back(argv[i]);
   o.nproc_per_node = nproc;
+  // With checkpoints, a forwarded SIGTERM/SIGINT is answered by a checkpoint write: give the
+  // ranks time for it before SIGKILL (dtrain-run: --grace_s).
+  if (!absl::GetFlag(FLAGS_ckpt_dir).empty())
+    o.grace = std::max<std::chrono::milliseconds>(o.grace, std::chrono::seconds(300));
   if (const char* port = std::getenv("MASTER_PORT"); port != nullptr && *port != '\0') {
     o.master_port = std::atoi(port);
   }

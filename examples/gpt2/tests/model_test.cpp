@@ -5,7 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
 
+#include "checkpoint/safetensors.h"
+#include "dtrain/errors.h"
+#include "hf_weights.h"
 #include "model.h"
 
 namespace gpt2 {
@@ -117,6 +123,80 @@ TEST(GptModel, BlocksAreNamedLikeGpt2) {
     if (m->name().find("BlockImpl") != std::string::npos) ++blocks;
   }
   EXPECT_EQ(blocks, 2);
+}
+
+}  // namespace
+}  // namespace gpt2
+
+// --export / --init_from: Hugging Face GPT-2 names and Conv1D layouts, and a bit-for-bit
+// round trip through the file.
+namespace gpt2 {
+namespace {
+
+TEST(HfWeights, ExportHasGpt2NamesAndLayoutsAndRoundTripsBitForBit) {
+  GptConfig c;
+  c.layers = 2;
+  c.heads = 2;
+  c.dim = 16;
+  c.context = 8;
+  c.vocab_size = 40;
+  at::manual_seed(3);
+  Gpt a(c);
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& item : a->named_parameters()) params.emplace_back(item.key(), item.value());
+  const std::string path = ::testing::TempDir() + "hf_weights_test.safetensors";
+  export_hf_safetensors(path, params);
+
+  auto r = dtrain::checkpoint::SafetensorsReader::open(path);
+  EXPECT_EQ(r.metadata().at("format"), "pt");
+  const std::map<std::string, std::vector<int64_t>> want = {
+      {"transformer.wte.weight", {40, 16}},
+      {"transformer.wpe.weight", {8, 16}},
+      {"transformer.h.0.ln_1.weight", {16}},
+      {"transformer.h.0.attn.c_attn.weight", {16, 48}},
+      {"transformer.h.0.attn.c_attn.bias", {48}},
+      {"transformer.h.0.attn.c_proj.weight", {16, 16}},
+      {"transformer.h.1.mlp.c_fc.weight", {16, 64}},
+      {"transformer.h.1.mlp.c_proj.weight", {64, 16}},
+      {"transformer.ln_f.bias", {16}}};
+  for (const auto& [name, shape] : want) {
+    const auto* t = r.find(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->shape, shape) << name;
+    EXPECT_EQ(t->dtype, at::kFloat) << name;
+  }
+  EXPECT_EQ(r.find("lm_head.weight"), nullptr);  // tied to wte, as save_pretrained leaves it
+  EXPECT_EQ(r.tensors().size(), params.size());
+
+  at::manual_seed(4);
+  Gpt b(c);
+  init_from_hf_safetensors(path, b);
+  for (const auto& item : a->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), b->named_parameters()[item.key()])) << item.key();
+  }
+  // Written again from the loaded model: the same bytes.
+  const std::string again = path + ".2";
+  std::vector<std::pair<std::string, at::Tensor>> params_b;
+  for (const auto& item : b->named_parameters()) params_b.emplace_back(item.key(), item.value());
+  export_hf_safetensors(again, params_b);
+  std::ifstream f1(path, std::ios::binary), f2(again, std::ios::binary);
+  std::string s1((std::istreambuf_iterator<char>(f1)), {}),
+      s2((std::istreambuf_iterator<char>(f2)), {});
+  EXPECT_EQ(s1, s2);
+
+  // Another shape is refused, naming the file and the tensor.
+  c.dim = 24;
+  Gpt other(c);
+  try {
+    init_from_hf_safetensors(path, other);
+    ADD_FAILURE() << "loaded a mismatched file";
+  } catch (const dtrain::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": transformer.wte.weight has shape [40, 16]"),
+              std::string::npos)
+        << e.what();
+  }
+  std::remove(path.c_str());
+  std::remove(again.c_str());
 }
 
 }  // namespace

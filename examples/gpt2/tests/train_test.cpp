@@ -3,6 +3,7 @@
 // failures must be reported with the failing rank.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -307,6 +309,151 @@ TEST(TrainerBlas, CoretypeSetByTheUserIsKept) {
       << r.output;
   ASSERT_FALSE(r.step_lines.empty());
   EXPECT_EQ(blas_kernel_of(r.step_lines.front()), "Prescott");
+}
+
+// ---- Checkpoints: interrupt with SIGTERM, resume, and compare with the uninterrupted run ----
+
+// Starts gpt2_train (output to `log`); returns its pid.
+pid_t start_trainer(std::vector<std::string> args, const std::string& log) {
+  args.insert(args.begin(), GPT2_TRAIN_BIN);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+size_t count_step_lines(const std::string& path) {
+  std::ifstream in(path);
+  size_t n = 0;
+  for (std::string line; std::getline(in, line);) {
+    n += line.find("\"kind\": \"step\"") != std::string::npos ? 1 : 0;
+  }
+  return n;
+}
+
+// Runs `args` and sends SIGTERM to it once `after` steps are logged; returns the steps it
+// logged and its output. The process (or the --nproc parent, which forwards the signal)
+// must finish its step, checkpoint and exit non-zero.
+RunResult run_and_interrupt(const std::string& name, std::vector<std::string> args, size_t after) {
+  const std::string metrics = temp_path(name + ".jsonl"), log = temp_path(name + ".log");
+  std::remove(metrics.c_str());
+  args.push_back("--metrics_out=" + metrics);
+  const pid_t pid = start_trainer(args, log);
+  RunResult r;
+  if (pid < 0) return r;
+  int status = 0;
+  bool exited = false;
+  for (int i = 0; i < 12000 && !exited; ++i) {  // up to 2 minutes
+    if (count_step_lines(metrics) >= after) break;
+    exited = waitpid(pid, &status, WNOHANG) == pid;
+    usleep(10000);
+  }
+  if (!exited) {
+    kill(pid, SIGTERM);
+    waitpid(pid, &status, 0);
+  }
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::stringstream ss;
+  ss << std::ifstream(log).rdbuf();
+  r.output = ss.str();
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"kind\": \"step\"") != std::string::npos) r.steps.push_back(numbers_of(line));
+  }
+  std::remove(metrics.c_str());
+  std::remove(log.c_str());
+  return r;
+}
+
+// Interrupted (SIGTERM) then resumed: together the same per-step loss and gradient norm as
+// the uninterrupted run, exactly when `rtol` is 0.
+void expect_exact_resume(const std::string& name, const std::vector<std::string>& first,
+                         const std::vector<std::string>& second,
+                         const std::vector<std::string>& reference, double rtol, int total = 30) {
+  const std::string dir = temp_path(name + "_ckpt");
+  std::filesystem::remove_all(dir);
+  const std::string n = "--steps=" + std::to_string(total);
+  const std::vector<std::string> steps = {n, "--ckpt_dir=" + dir};
+  RunResult whole = run_trainer(name + "_whole", with(with(common_args(), reference), {n}));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  ASSERT_EQ(whole.steps.size(), static_cast<size_t>(total));
+  RunResult cut = run_and_interrupt(name + "_cut", with(with(common_args(), first), steps), 3);
+  ASSERT_NE(cut.exit_code, 0) << cut.output;
+  ASSERT_NE(cut.output.find("stopped by Terminated after step"), std::string::npos) << cut.output;
+  ASSERT_NE(cut.output.find("continue with --resume"), std::string::npos) << cut.output;
+  ASSERT_LT(cut.steps.size(), static_cast<size_t>(total)) << "the run ended before the signal";
+  RunResult rest =
+      run_trainer(name + "_rest", with(with(with(common_args(), second), steps), {"--resume"}));
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  ASSERT_NE(rest.output.find("resume: step " + std::to_string(cut.steps.size())), std::string::npos)
+      << rest.output;
+  std::vector<std::map<std::string, double>> joined = cut.steps;
+  joined.insert(joined.end(), rest.steps.begin(), rest.steps.end());
+  ASSERT_EQ(joined.size(), static_cast<size_t>(total)) << rest.output;
+  for (size_t i = 0; i < joined.size(); ++i) {
+    EXPECT_EQ(joined[i].at("step"), static_cast<double>(i + 1));
+    for (const char* key : {"loss", "grad_norm"}) {
+      const double a = whole.steps[i].at(key), b = joined[i].at(key);
+      if (rtol == 0) {
+        EXPECT_EQ(b, a) << key << " at step " << i + 1;
+      } else {
+        EXPECT_NEAR(b, a, rtol * std::abs(a)) << key << " at step " << i + 1;
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainerCheckpoint, SingleResumesExactlyAfterSigterm) {
+  const std::vector<std::string> a = {"--strategy=single", "--batch=4"};
+  expect_exact_resume("ck_single", a, a, a, 0);
+}
+
+TEST(TrainerCheckpoint, DdpResumesExactlyAfterSigterm) {
+  const std::vector<std::string> a = {"--strategy=ddp", "--nproc=2", "--batch=2",
+                                      "--ckpt_format=full"};
+  expect_exact_resume("ck_ddp", a, a, a, 0);
+}
+
+TEST(TrainerCheckpoint, FsdpResumesExactlyAfterSigterm) {
+  const std::vector<std::string> a = {"--strategy=fsdp", "--nproc=2", "--batch=2"};
+  expect_exact_resume("ck_fsdp", a, a, a, 0);
+}
+
+// 4-rank FSDP interrupted, resumed as 2-rank DDP with the same global batch: within the
+// strategies' fp32 tolerance of the uninterrupted single-device run (12 steps: summation-order
+// differences grow with every step, as between any two strategies).
+TEST(TrainerCheckpoint, Fsdp4ResumesAsDdp2) {
+  expect_exact_resume("ck_fsdp4_ddp2", {"--strategy=fsdp", "--nproc=4", "--batch=1"},
+                      {"--strategy=ddp", "--nproc=2", "--batch=2"},
+                      {"--strategy=single", "--batch=4"}, kFp32Tolerance, 12);
+}
+
+TEST(TrainerCheckpoint, ExportThenInitFrom) {
+  const std::string file = temp_path("export.safetensors");
+  RunResult a = run_trainer("export", with(common_args(), {"--strategy=fsdp", "--nproc=2",
+                                                           "--batch=2", "--export=" + file}));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_TRUE(std::filesystem::exists(file)) << a.output;
+  RunResult b = run_trainer(
+      "init_from", with(common_args(), {"--strategy=single", "--batch=4", "--init_from=" + file}));
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("model: initialized from " + file), std::string::npos) << b.output;
+  // It starts where the exported run ended, not from scratch.
+  EXPECT_LT(b.steps.front().at("loss"), a.steps.front().at("loss") - 0.05);
+  RunResult bad = run_trainer("init_bad", with(common_args(), {"--strategy=single", "--batch=4",
+                                                               "--dim=32", "--init_from=" + file}));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find(file + ": transformer.wte.weight has shape"), std::string::npos)
+      << bad.output;
+  std::remove(file.c_str());
 }
 
 TEST(TrainerErrors, FailingRankIsNamedAndExitIsNonZero) {

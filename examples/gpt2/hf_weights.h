@@ -1,0 +1,41 @@
+// GPT-2 weights in Hugging Face's layout (transformers' GPT2LMHeadModel), as safetensors:
+//
+//   transformer.wte.weight [vocab, dim]        transformer.wpe.weight [ctx, dim]
+//   transformer.h.N.ln_1.{weight,bias}         transformer.h.N.ln_2.{weight,bias}
+//   transformer.h.N.attn.c_attn.{weight [dim, 3 dim], bias}
+//   transformer.h.N.attn.c_proj.{weight [dim, dim], bias}
+//   transformer.h.N.mlp.c_fc.{weight [dim, 4 dim], bias}
+//   transformer.h.N.mlp.c_proj.{weight [4 dim, dim], bias}
+//   transformer.ln_f.{weight,bias}
+//
+// Hugging Face's Conv1D stores [in, out] where torch's Linear stores [out, in], so those four
+// weights are transposed. lm_head.weight is tied to wte and, as save_pretrained does, not
+// written; header metadata {"format": "pt"} as transformers expects.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model.h"
+
+namespace gpt2 {
+
+// Our parameter names and tensors -> Hugging Face's names and layouts (in the same order).
+std::vector<std::pair<std::string, at::Tensor>> to_hf_gpt2(
+    const std::vector<std::pair<std::string, at::Tensor>>& ours);
+
+// Writes `params` (our names, full tensors) to `path` in Hugging Face's layout.
+void export_hf_safetensors(const std::string& path,
+                           const std::vector<std::pair<std::string, at::Tensor>>& params);
+
+// Copies the weights of a Hugging Face GPT-2 safetensors file (names with or without the
+// "transformer." prefix, as the hub's gpt2/model.safetensors has them) into `model`. Every
+// parameter of the model must be there with its shape; lm_head.weight and attention-mask
+// buffers in the file are ignored. Throws dtrain::CheckpointError naming the file and the
+// tensor.
+void init_from_hf_safetensors(const std::string& path, Gpt& model);
+
+}  // namespace gpt2
