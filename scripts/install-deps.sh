@@ -13,6 +13,8 @@ PKGS=(
   # starts one BLAS thread per core in every process).
   libopenblas0-openmp
   gnuplot-nox
+  # scripts/fuzz.sh and scripts/sanitize.sh: clang with libFuzzer and the sanitizer runtimes.
+  clang libclang-rt-14-dev
   # ip(8): the multi-host test joins two network namespaces with a veth pair.
   iproute2
   # fetch-data.sh downloads the example's data with the machine's npm client (not an apt
