@@ -2,9 +2,20 @@
 // dtrain-run, also used by programs that launch themselves (gpt2_train --nproc).
 //
 // Plain POSIX and fmt, no LibTorch: it compiles fast, and a process that supervises its
-// ranks never needs to initialize torch. Children are started with posix_spawn (an exec,
-// never a bare fork, which deadlocks in LibTorch's OpenMP runtime), so calling it after
-// torch ran is also safe.
+// ranks never needs to initialize torch. Children are started with fork and an immediate
+// exec; between the two the child makes only async-signal-safe system calls (process
+// group, parent-death signal, signal dispositions, redirections), so calling it after torch
+// ran is safe: nothing in the child touches OpenMP or a lock another thread may hold.
+//
+// Failure model of run_node() (docs/gpt2.md, "How ranks start"):
+// - every rank is the leader of its own process group; stopping a rank signals its group,
+//   so processes a rank started are stopped with it;
+// - SIGINT and SIGTERM are forwarded, SIGHUP and SIGQUIT are handled like SIGTERM (SIGTERM
+//   goes to the ranks); a second signal, or `grace` after the first, SIGKILLs them;
+// - when a rank's leader ends, whatever is left in its group is SIGKILLed (before the leader
+//   is reaped, so its process group id cannot have been reused);
+// - the ranks get SIGKILL when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG);
+//   processes a rank started are then that rank's business.
 #pragma once
 
 #include <sys/types.h>
@@ -27,7 +38,8 @@ struct NodeOptions {
   // Where rank 0 serves the store. 0 picks a free local port, which only works for a
   // single node (other nodes could not know it).
   int master_port = 0;
-  // After a rank failed: how long the others get between SIGTERM and SIGKILL.
+  // When stopping the ranks (a rank failed, or a signal arrived): how long their process
+  // groups get between SIGTERM and SIGKILL.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
   // Prefix of the messages printed on stderr.
   std::string name = "dtrain-run";
@@ -42,16 +54,25 @@ void validate(const NodeOptions& options);
 // Runs this node's ranks and waits for them. Rank r (local rank l) gets this process's
 // environment plus `environment` and RANK=node_rank*nproc_per_node+l,
 // WORLD_SIZE=nnodes*nproc_per_node, LOCAL_RANK=l, LOCAL_WORLD_SIZE=nproc_per_node,
-// MASTER_ADDR and MASTER_PORT.
+// MASTER_ADDR and MASTER_PORT. Each rank leads its own process group and dies with the
+// calling thread (PR_SET_PDEATHSIG is tied to the thread that forked): call it from the
+// thread that lives as long as the job, normally the main thread. When stdin is a terminal
+// the ranks read /dev/null instead (outside the terminal's foreground group, a read would
+// stop them).
 //
-// SIGINT and SIGTERM received meanwhile are forwarded to the ranks (a second one kills
-// them). When a rank fails (non-zero exit or a signal), prints which rank failed and how,
-// sends SIGTERM to the others and SIGKILL to those still running after `grace`.
+// Signals received meanwhile: SIGINT and SIGTERM are forwarded to the ranks' groups,
+// SIGHUP and SIGQUIT send SIGTERM to them (a SIGHUP ignored when run_node starts, as under
+// nohup, stays ignored); a second signal kills them. When a rank fails (non-zero exit or a
+// signal), prints which rank failed and how and sends SIGTERM to the other ranks' groups.
+// Groups still running `grace` after a SIGTERM get SIGKILL. A waitpid() result other than
+// the rank's own status (e.g. ECHILD: someone else reaped it) counts as a failure of that
+// rank.
 //
 // Returns the status to exit with: 0 when every rank exited 0; else the failed rank's exit
-// code, or 128 + signal number when it was killed by a signal (or a signal was forwarded).
-// Throws std::runtime_error when a rank cannot be started (the ones already started are
-// killed first).
+// code, or 128 + signal number when it was killed by a signal or a signal stopped the job
+// (129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 1 for a waitpid failure. Throws
+// std::runtime_error when a rank cannot be started (the ones already started are killed
+// first).
 int run_node(const NodeOptions& options);
 
 // This process's environment as KEY=VALUE strings, without the names in `remove`, with
@@ -59,10 +80,30 @@ int run_node(const NodeOptions& options);
 std::vector<std::string> environment_with(const std::map<std::string, std::string>& overrides,
                                           const std::set<std::string>& remove = {});
 
+struct SpawnOptions {
+  // stdout/stderr go to these files (truncated; "" keeps the parent's; the same path for
+  // both shares one file).
+  std::string stdout_path;
+  std::string stderr_path;
+  // stdin from /dev/null instead of the parent's.
+  bool null_stdin = false;
+  // The child leads a new process group (its pgid is its pid), so kill(-pid, sig) reaches
+  // it and everything it starts.
+  bool own_process_group = false;
+  // Signal the child gets when the calling thread ends (0: none). The child checks that
+  // the parent is still there after setting it, so a parent that dies during the spawn
+  // cannot leave it running.
+  int parent_death_signal = 0;
+};
+
 // Starts `program` (looked up in PATH unless it contains a '/') with `argv` and `env`, by
-// posix_spawn: an exec, safe after LibTorch ran. SIGINT/SIGTERM start at their defaults in
-// the child. stdout/stderr go to the given files (truncated; "" keeps the parent's; the
-// same path for both shares one file). Throws std::runtime_error when it cannot start.
+// fork and an immediate exec. SIGINT, SIGTERM, SIGHUP and SIGQUIT start at their defaults
+// in the child, with no signal blocked. Throws std::runtime_error naming the program (or
+// the output file) and the cause when it cannot start; the child is then already reaped.
+pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
+                    const std::vector<std::string>& env, const SpawnOptions& options);
+
+// The same with default SpawnOptions apart from the output files.
 pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
                     const std::vector<std::string>& env, const std::string& stdout_path = "",
                     const std::string& stderr_path = "");

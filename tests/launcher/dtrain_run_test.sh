@@ -1,6 +1,7 @@
 #!/bin/sh
 # dtrain-run's contract, checked with `sh -c` ranks: the rank variables, exit status, which
-# failed rank is named, stopping the other ranks, signal forwarding, and the ranks' BLAS kernel.
+# failed rank is named, stopping the other ranks, signal forwarding, process groups (what a rank
+# starts is stopped with it), ranks dying with the launcher, and the ranks' BLAS kernel.
 # Usage: dtrain_run_test.sh path/to/dtrain-run [path/to/fake_openblas.so]
 # The ranks' scripts are single-quoted on purpose: the variables expand in the ranks.
 # shellcheck disable=SC2016
@@ -30,6 +31,58 @@ expect_status() {
 expect_stderr() {
   grep -q -- "$1" "$tmp/err" || fail "stderr lacks '$1'"
 }
+
+# alive PID: the process exists and is not a zombie (an orphan's zombie waits for init).
+alive() {
+  state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
+  [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
+# wait_gone SECONDS PID...: true once none of the PIDs is alive, false after SECONDS.
+wait_gone() {
+  limit=$(($1 * 10))
+  shift
+  i=0
+  while [ "$i" -lt "$limit" ]; do
+    any=0
+    for p in "$@"; do alive "$p" && any=1; done
+    [ "$any" -eq 0 ] && return 0
+    sleep 0.1
+    i=$((i + 1))
+  done
+  return 1
+}
+
+# wait_files SECONDS FILE...: true once every FILE exists and is not empty.
+wait_files() {
+  limit=$(($1 * 10))
+  shift
+  i=0
+  while [ "$i" -lt "$limit" ]; do
+    all=1
+    for f in "$@"; do [ -s "$f" ] || all=0; done
+    [ "$all" -eq 1 ] && return 0
+    sleep 0.1
+    i=$((i + 1))
+  done
+  return 1
+}
+
+# finish PID SECONDS: waits for the background dtrain-run PID; its exit status in $got
+# (SIGKILLed, and 999, when it is still running after SECONDS).
+finish() {
+  if wait_gone "$2" "$1"; then
+    wait "$1"
+    got=$?
+  else
+    kill -KILL "$1"
+    wait "$1"
+    got=999
+  fi
+}
+
+# pids_of PREFIX: the pids the ranks wrote to $tmp/PREFIX<rank>.
+pids_of() { cat "$tmp/$1"* 2>/dev/null | tr '\n' ' '; }
 
 # 1. Every rank sees a consistent environment; all succeed -> 0.
 expect_status 0 "$run" --nproc_per_node 3 -- sh -c \
@@ -87,7 +140,69 @@ expect_status 2 "$run" --nproc_per_node 2
 expect_status 2 "$run" --bogus 1 -- true
 expect_status 0 "$run" --help >/dev/null
 
-# 10. The ranks' BLAS kernel, decided on a fake OpenBLAS (--blas_library) that reports
+# 10. SIGHUP and SIGQUIT are handled like SIGTERM: the ranks get SIGTERM, dtrain-run exits
+#     128 + the signal it received. (A shell's background job starts with SIGQUIT ignored;
+#     dtrain-run handles it anyway.)
+for sig in HUP QUIT INT; do
+  case $sig in HUP) want=129 ;; QUIT) want=131 ;; INT) want=130 ;; esac
+  rm -f "$tmp"/pid*
+  "$run" --nproc_per_node 2 -- sh -c 'echo $$ >"$0/pid$RANK"; exec sleep 60' "$tmp" \
+    2>"$tmp/err" &
+  pid=$!
+  wait_files 10 "$tmp/pid0" "$tmp/pid1" || fail "SIG$sig: ranks did not start"
+  ranks=$(pids_of pid)
+  kill -s "$sig" "$pid"
+  finish "$pid" 10
+  [ "$got" -eq "$want" ] || fail "SIG$sig to dtrain-run: exit $got, want $want"
+  # shellcheck disable=SC2086
+  wait_gone 5 $ranks || fail "SIG$sig to dtrain-run: ranks $ranks still running"
+  expect_stderr "SIG$sig received"
+done
+
+# 11. SIGKILL of dtrain-run: the ranks die too (parent-death signal), though nobody is left to
+#     stop them.
+rm -f "$tmp"/pid*
+"$run" --nproc_per_node 2 -- sh -c 'echo $$ >"$0/pid$RANK"; exec sleep 60' "$tmp" 2>"$tmp/err" &
+pid=$!
+wait_files 10 "$tmp/pid0" "$tmp/pid1" || fail "SIGKILL: ranks did not start"
+ranks=$(pids_of pid)
+kill -KILL "$pid"
+wait "$pid"
+got=$?
+[ "$got" -eq 137 ] || fail "SIGKILLed dtrain-run: exit $got, want 137"
+# shellcheck disable=SC2086
+wait_gone 5 $ranks || fail "SIGKILLed dtrain-run: ranks $ranks still running"
+
+# 12. What a rank starts is stopped with it (the rank's process group): after SIGTERM to
+#     dtrain-run, after another rank failed, and when a rank exits leaving a process behind.
+rm -f "$tmp"/pid* "$tmp"/gc*
+"$run" --nproc_per_node 2 -- sh -c \
+  'sleep 60 & echo $! >"$0/gc$RANK"; echo $$ >"$0/pid$RANK"; wait' "$tmp" 2>"$tmp/err" &
+pid=$!
+wait_files 10 "$tmp/pid0" "$tmp/pid1" "$tmp/gc0" "$tmp/gc1" || fail "grandchildren: no start"
+procs="$(pids_of pid) $(pids_of gc)"
+kill -TERM "$pid"
+finish "$pid" 10
+[ "$got" -eq 143 ] || fail "grandchildren, SIGTERM: exit $got, want 143"
+# shellcheck disable=SC2086
+wait_gone 5 $procs || fail "after SIGTERM to dtrain-run, still running: $procs"
+
+rm -f "$tmp"/gc*
+expect_status 4 "$run" --nproc_per_node 2 -- sh -c \
+  'sleep 60 & echo $! >"$0/gc$RANK"; if [ "$RANK" = 1 ]; then sleep 0.5; exit 4; fi; wait' "$tmp"
+# shellcheck disable=SC2086
+wait_gone 5 $(pids_of gc) || fail "after a rank failed, still running: $(pids_of gc)"
+
+rm -f "$tmp"/gc*
+expect_status 0 "$run" --nproc_per_node 2 -- sh -c 'sleep 60 & echo $! >"$0/gc$RANK"' "$tmp"
+# shellcheck disable=SC2086
+wait_gone 5 $(pids_of gc) || fail "left behind by ranks that exited 0: $(pids_of gc)"
+
+# 13. A program that cannot be started: named, exit 1, nothing left running.
+expect_status 1 "$run" --nproc_per_node 2 -- /nonexistent/program
+expect_stderr "cannot start '/nonexistent/program': No such file or directory"
+
+# 14. The ranks' BLAS kernel, decided on a fake OpenBLAS (--blas_library) that reports
 #     OPENBLAS_CORETYPE when set, else FAKE_OPENBLAS_KERNEL, else the generic Prescott.
 #     OPENBLAS_CORETYPE may be set where the tests run: each case sets or unsets it.
 if [ -n "$fake_blas" ]; then
