@@ -56,6 +56,23 @@ class FullyShardedDataParallel::Impl {
   mutable std::mutex mu_;
 
  private:
+  // Where a unit's parameters are (FSDP2's ShardedState).
+  //   kSharded:   only the fp32 shard is current; `full` has no memory (sharded) or stale
+  //               contents (unsharded configurations, refreshed at the next unshard).
+  //   kGathering: an all-gather into `full` is in flight.
+  //   kUnsharded: `full` holds the current parameters; the module computes with them.
+  // Moves: unshard() kSharded -> kGathering (-> kUnsharded without a shard group),
+  // wait_unsharded() kGathering -> kUnsharded, reshard() kUnsharded -> kSharded.
+  enum class ParamState { kSharded, kGathering, kUnsharded };
+  // Where a unit's gradient is within backward.
+  //   kIdle:         no backward in progress.
+  //   kAccumulating: backward armed; `pending` parameters still wait for their gradient.
+  //   kReducing:     flattened and reduce-scattered; the result is added to the shard's
+  //                  .grad at the end of backward.
+  // Moves: arm() kIdle -> kAccumulating, launch_reduction() kAccumulating -> kReducing,
+  // finish_reduction() kReducing -> kIdle.
+  enum class GradState { kIdle, kAccumulating, kReducing };
+
   struct Unit {
     std::string name;
     const torch::nn::Module* module = nullptr;
@@ -65,16 +82,23 @@ class FullyShardedDataParallel::Impl {
     int64_t numel = 0, padded = 0, shard_numel = 0;
     at::Tensor full;   // compute dtype, `padded` elements; memory released when sharded
     at::Tensor shard;  // fp32 master shard, a leaf the optimizer steps
-    bool gathered = false;
-    WorkPtr gather_work;
-    at::Tensor gather_input;
-    int pending = 0;
-    bool reduce_launched = false;
-    WorkPtr reduce_work;
+    ParamState state = ParamState::kUnsharded;
+    WorkPtr gather_work;      // kGathering only
+    at::Tensor gather_input;  // kept alive while gather_work runs
+    GradState grad = GradState::kIdle;
+    int pending = 0;       // kAccumulating: parameters whose gradient has not arrived
+    WorkPtr reduce_work;   // kReducing: the reduce-scatter (null without a shard group)
     at::Tensor reduce_out;
     std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
     bool ran = false;
   };
+
+  static const char* state_name(ParamState s);
+  static const char* state_name(GradState s);
+  // Invariant of a transition: the unit must be in one of `from`; anything else is a bug in
+  // this file, reported by name instead of surfacing later as a hang or wrong numbers.
+  void expect(const Unit& u, const char* transition, ParamState from) const;
+  void expect(const Unit& u, const char* transition, GradState from) const;
 
   ErrorContext ctx(const char* op) const {
     return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
@@ -85,15 +109,21 @@ class FullyShardedDataParallel::Impl {
            options_.sharding == ShardingStrategy::kHybridShard;
   }
   void build_units();
-  void gather(Unit& u, const char* why);
-  void wait_gathered(Unit& u);
-  void release(Unit& u);
-  void prefetch(int index, const char* why);
-  void pre_backward(int index);
-  void on_grad_ready(int index);
-  void launch_ready_reductions();
+  // The transitions (see ParamState / GradState).
+  void unshard(Unit& u, const char* why);
+  void wait_unsharded(Unit& u);
+  void reshard(Unit& u);
+  void arm(Unit& u);
   void launch_reduction(Unit& u);
   void finish_reduction(Unit& u);
+  // unshard() unless already under way, then wait: what a unit needs before it computes.
+  void ensure_unsharded(Unit& u);
+  // reshard() whatever the state; a gather in flight is waited for first.
+  void reshard_any(Unit& u);
+  void prefetch(int index, const char* why);
+  void pre_backward(int position);
+  void on_grad_ready(int index);
+  void launch_ready_reductions();
   int index_of(const torch::nn::Module& m) const;
   void record(const std::string& entry) { log_.push_back(entry); }
 
@@ -114,7 +144,6 @@ class FullyShardedDataParallel::Impl {
   std::vector<int> reduce_order_;
   size_t next_reduce_ = 0;
   bool armed_ = false;
-  int64_t iteration_ = 0;
   Clock::time_point first_reduce_;
 };
 
@@ -236,7 +265,7 @@ void FullyShardedDataParallel::Impl::build_units() {
       at::Tensor& p = u.params[i];
       p.set_data(u.full.narrow(0, u.offsets[i], p.numel()).view(p.sizes()));
     }
-    u.gathered = true;
+    u.state = ParamState::kUnsharded;
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto acc = compat::grad_accumulator(u.params[i]);
       const int index = static_cast<int>(k);
@@ -246,7 +275,7 @@ void FullyShardedDataParallel::Impl::build_units() {
       u.accumulators.push_back(std::move(acc));
     }
     shards_.push_back(u.shard);
-    if (sharded()) release(u);
+    if (sharded()) reshard(u);
   }
 }
 
@@ -255,8 +284,43 @@ int FullyShardedDataParallel::Impl::index_of(const torch::nn::Module& m) const {
   return it == unit_of_module_.end() ? -1 : it->second;
 }
 
-void FullyShardedDataParallel::Impl::gather(Unit& u, const char* why) {
-  if (u.gathered || u.gather_work) return;
+// --- the unit's state machine ---
+
+const char* FullyShardedDataParallel::Impl::state_name(ParamState s) {
+  switch (s) {
+    case ParamState::kSharded: return "SHARDED";
+    case ParamState::kGathering: return "GATHERING";
+    case ParamState::kUnsharded: return "UNSHARDED";
+  }
+  return "?";
+}
+
+const char* FullyShardedDataParallel::Impl::state_name(GradState s) {
+  switch (s) {
+    case GradState::kIdle: return "IDLE";
+    case GradState::kAccumulating: return "ACCUMULATING";
+    case GradState::kReducing: return "REDUCING";
+  }
+  return "?";
+}
+
+void FullyShardedDataParallel::Impl::expect(const Unit& u, const char* transition,
+                                            ParamState from) const {
+  if (u.state == from) return;
+  throw Error(ctx(transition), fmt::format("internal error: unit '{}' is {}, {} needs {}", u.name,
+                                           state_name(u.state), transition, state_name(from)));
+}
+
+void FullyShardedDataParallel::Impl::expect(const Unit& u, const char* transition,
+                                            GradState from) const {
+  if (u.grad == from) return;
+  throw Error(ctx(transition), fmt::format("internal error: unit '{}' gradient is {}, {} needs {}",
+                                           u.name, state_name(u.grad), transition,
+                                           state_name(from)));
+}
+
+void FullyShardedDataParallel::Impl::unshard(Unit& u, const char* why) {
+  expect(u, "unshard", ParamState::kSharded);
   c10::NoGradGuard no_grad;
   if (compat::storage_is_released(u.full)) {
     compat::refill_storage(u.full, static_cast<size_t>(u.padded) * u.full.element_size());
@@ -266,46 +330,107 @@ void FullyShardedDataParallel::Impl::gather(Unit& u, const char* why) {
     if (u.full.data_ptr() != input.data_ptr()) {
       std::memcpy(u.full.data_ptr(), input.data_ptr(), input.nbytes());
     }
-    u.gathered = true;
+    u.state = ParamState::kUnsharded;
   } else {
     u.gather_input = input;
     u.gather_work = shard_comm_->all_gather(u.full, input);
+    u.state = ParamState::kGathering;
     stats_.bytes_communicated += static_cast<int64_t>(input.nbytes());
     stats_.num_collectives += 1;
   }
   record(fmt::format("all_gather:{}{}", u.name, why));
 }
 
-void FullyShardedDataParallel::Impl::wait_gathered(Unit& u) {
-  if (u.gather_work) {
-    const auto start = Clock::now();
-    u.gather_work->wait();
-    stats_.comm_wait_s += std::chrono::duration<double>(Clock::now() - start).count();
-    u.gather_work.reset();
-    u.gather_input = at::Tensor();
-    u.gathered = true;
-  }
+void FullyShardedDataParallel::Impl::wait_unsharded(Unit& u) {
+  if (u.state == ParamState::kUnsharded) return;
+  expect(u, "wait_unsharded", ParamState::kGathering);
+  const auto start = Clock::now();
+  u.gather_work->wait();
+  stats_.comm_wait_s += std::chrono::duration<double>(Clock::now() - start).count();
+  u.gather_work.reset();
+  u.gather_input = at::Tensor();
+  u.state = ParamState::kUnsharded;
 }
 
-void FullyShardedDataParallel::Impl::release(Unit& u) {
-  if (!sharded()) {
-    // Unsharded: keep the memory, but refresh it from the (stepped) shard at the next use.
-    u.gathered = false;
-    return;
-  }
-  wait_gathered(u);  // never free memory a collective still writes
-  compat::release_storage(u.full);
-  u.gathered = false;
+void FullyShardedDataParallel::Impl::reshard(Unit& u) {
+  expect(u, "reshard", ParamState::kUnsharded);
+  // Unsharded configurations keep the memory; the next unshard refreshes it from the
+  // (stepped) shard.
+  if (sharded()) compat::release_storage(u.full);
+  u.state = ParamState::kSharded;
 }
+
+void FullyShardedDataParallel::Impl::ensure_unsharded(Unit& u) {
+  if (u.state == ParamState::kSharded) unshard(u, "");
+  wait_unsharded(u);
+}
+
+void FullyShardedDataParallel::Impl::reshard_any(Unit& u) {
+  if (u.state == ParamState::kGathering) wait_unsharded(u);  // never free memory a collective writes
+  if (u.state == ParamState::kUnsharded) reshard(u);
+}
+
+void FullyShardedDataParallel::Impl::arm(Unit& u) {
+  expect(u, "arm", GradState::kIdle);
+  u.pending = static_cast<int>(u.params.size());
+  u.grad = GradState::kAccumulating;
+}
+
+void FullyShardedDataParallel::Impl::launch_reduction(Unit& u) {
+  expect(u, "launch_reduction", GradState::kAccumulating);
+  c10::NoGradGuard no_grad;
+  at::Tensor flat = at::zeros({u.padded}, u.full.options().dtype(reduce_dtype_));
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    at::Tensor& p = u.params[i];
+    if (p.grad().defined()) flat.narrow(0, u.offsets[i], p.numel()).copy_(p.grad().reshape({-1}));
+    p.mutable_grad().reset();  // the unsharded gradient is not kept
+  }
+  // The unit's backward is over (all its gradients arrived): its parameters can go. A unit
+  // that got no gradient may still be sharded or gathering (prefetched).
+  reshard_any(u);
+  if (shard_comm_) {
+    u.reduce_out = at::empty({u.shard_numel}, flat.options());
+    u.reduce_work = shard_comm_->reduce_scatter(u.reduce_out, flat, ReduceOp::kAvg);
+    stats_.bytes_communicated += static_cast<int64_t>(flat.nbytes());
+    stats_.num_collectives += 1;
+    record("reduce_scatter:" + u.name);
+  } else {
+    u.reduce_out = flat;
+  }
+  u.grad = GradState::kReducing;
+}
+
+void FullyShardedDataParallel::Impl::finish_reduction(Unit& u) {
+  expect(u, "finish_reduction", GradState::kReducing);
+  c10::NoGradGuard no_grad;
+  if (u.reduce_work) u.reduce_work->wait();
+  u.reduce_work.reset();
+  if (replicate_comm_) {
+    replicate_comm_->all_reduce(u.reduce_out, ReduceOp::kAvg)->wait();
+    stats_.bytes_communicated += static_cast<int64_t>(u.reduce_out.nbytes());
+    stats_.num_collectives += 1;
+    record("all_reduce:" + u.name);
+  }
+  at::Tensor g = u.reduce_out.to(at::kFloat);
+  if (u.shard.grad().defined()) {
+    u.shard.mutable_grad().add_(g);
+  } else {
+    u.shard.mutable_grad() = g.clone();
+  }
+  u.reduce_out = at::Tensor();
+  u.grad = GradState::kIdle;
+}
+
+// --- the schedule ---
 
 void FullyShardedDataParallel::Impl::prefetch(int index, const char* why) {
-  if (index <= 0 || index >= static_cast<int>(units_.size())) return;
+  if (index <= 0 || index >= static_cast<int>(units_.size()) || !sharded()) return;
   Unit& u = units_[index];
-  if (u.gathered || u.gather_work || !sharded()) return;
+  if (u.state != ParamState::kSharded) return;
   int ahead = 0;
-  for (size_t k = 1; k < units_.size(); ++k) ahead += units_[k].gather_work ? 1 : 0;
+  for (size_t k = 1; k < units_.size(); ++k) ahead += units_[k].state == ParamState::kGathering;
   if (ahead >= options_.limit_all_gathers) return;
-  gather(u, why);
+  unshard(u, why);
 }
 
 void FullyShardedDataParallel::Impl::begin_forward() {
@@ -320,8 +445,7 @@ void FullyShardedDataParallel::Impl::begin_forward() {
   }
   forward_order_.clear();
   for (auto& u : units_) u.ran = false;
-  gather(units_[0], "");
-  wait_gathered(units_[0]);
+  ensure_unsharded(units_[0]);
   if (options_.forward_prefetch && !recorded_order_.empty())
     prefetch(recorded_order_[0], " (prefetch)");
 }
@@ -344,17 +468,17 @@ at::Tensor FullyShardedDataParallel::Impl::unit_call(torch::nn::Module& module,
   }
   forward_order_.push_back(index);
   u.ran = true;
-  gather(u, "");
-  wait_gathered(u);
+  ensure_unsharded(u);
   if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
     prefetch(recorded_order_[position + 1], " (prefetch)");
   }
   at::Tensor out = fn();
-  if (frees_after_forward()) release(u);
+  if (frees_after_forward()) reshard(u);
   if (out.defined() && out.requires_grad()) {
     std::weak_ptr<Impl*> weak = token_;
-    out.register_hook([weak, index](const at::Tensor&) {
-      if (auto self = weak.lock()) (*self)->pre_backward(index);
+    const int at = static_cast<int>(position);
+    out.register_hook([weak, at](const at::Tensor&) {
+      if (auto self = weak.lock()) (*self)->pre_backward(at);
     });
   }
   return out;
@@ -393,80 +517,38 @@ void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
   reduce_order_.push_back(0);
 }
 
-void FullyShardedDataParallel::Impl::pre_backward(int index) {
+// `position`: the unit's place in the forward order, whose output's gradient just arrived.
+void FullyShardedDataParallel::Impl::pre_backward(int position) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!armed_) return;
-  Unit& u = units_[index];
-  gather(u, "");
+  Unit& u = units_[recorded_order_[position]];
+  if (u.state == ParamState::kSharded) unshard(u, "");
   // Backward runs units in reverse forward order: the next one to need its parameters
   // is the unit before this one in the forward order.
-  int next = -1;
-  for (size_t k = 0; k < recorded_order_.size(); ++k) {
-    if (recorded_order_[k] == index && k > 0) next = recorded_order_[k - 1];
-  }
+  const int next = position > 0 ? recorded_order_[position - 1] : -1;
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch(next, " (prefetch)");
-  wait_gathered(u);
+  wait_unsharded(u);
 }
 
 void FullyShardedDataParallel::Impl::on_grad_ready(int index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!armed_) return;
   Unit& u = units_[index];
+  expect(u, "gradient arrival", GradState::kAccumulating);
   if (--u.pending == 0) launch_ready_reductions();
 }
 
 void FullyShardedDataParallel::Impl::launch_ready_reductions() {
   // Strictly in the agreed order, so every rank issues the same collectives in the same order.
   while (next_reduce_ < reduce_order_.size() && units_[reduce_order_[next_reduce_]].pending <= 0) {
-    Unit& u = units_[reduce_order_[next_reduce_++]];
-    launch_reduction(u);
+    if (next_reduce_ == 0) first_reduce_ = Clock::now();
+    launch_reduction(units_[reduce_order_[next_reduce_]]);
+    ++next_reduce_;
     if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
         next_reduce_ < reduce_order_.size()) {
       prefetch(reduce_order_[next_reduce_], " (prefetch)");
     }
   }
-}
-
-void FullyShardedDataParallel::Impl::launch_reduction(Unit& u) {
-  c10::NoGradGuard no_grad;
-  if (next_reduce_ == 1) first_reduce_ = Clock::now();
-  u.reduce_launched = true;
-  at::Tensor flat = at::zeros({u.padded}, u.full.options().dtype(reduce_dtype_));
-  for (size_t i = 0; i < u.params.size(); ++i) {
-    at::Tensor& p = u.params[i];
-    if (p.grad().defined()) flat.narrow(0, u.offsets[i], p.numel()).copy_(p.grad().reshape({-1}));
-    p.mutable_grad().reset();  // the unsharded gradient is not kept
-  }
-  // The unit's backward is over (all its gradients arrived): its parameters can go.
-  release(u);
-  if (shard_comm_) {
-    u.reduce_out = at::empty({u.shard_numel}, flat.options());
-    u.reduce_work = shard_comm_->reduce_scatter(u.reduce_out, flat, ReduceOp::kAvg);
-    stats_.bytes_communicated += static_cast<int64_t>(flat.nbytes());
-    stats_.num_collectives += 1;
-    record("reduce_scatter:" + u.name);
-  } else {
-    u.reduce_out = flat;
-  }
-}
-
-void FullyShardedDataParallel::Impl::finish_reduction(Unit& u) {
-  c10::NoGradGuard no_grad;
-  if (u.reduce_work) u.reduce_work->wait();
-  u.reduce_work.reset();
-  if (replicate_comm_) {
-    replicate_comm_->all_reduce(u.reduce_out, ReduceOp::kAvg)->wait();
-    stats_.bytes_communicated += static_cast<int64_t>(u.reduce_out.nbytes());
-    stats_.num_collectives += 1;
-    record("all_reduce:" + u.name);
-  }
-  at::Tensor g = u.reduce_out.to(at::kFloat);
-  if (u.shard.grad().defined()) {
-    u.shard.mutable_grad().add_(g);
-  } else {
-    u.shard.mutable_grad() = g.clone();
-  }
-  u.reduce_out = at::Tensor();
 }
 
 void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
@@ -476,10 +558,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     next_reduce_ = 0;
-    for (auto& u : units_) {
-      u.pending = static_cast<int>(u.params.size());
-      u.reduce_launched = false;
-    }
+    for (auto& u : units_) arm(u);
     armed_ = true;
   }
   loss.backward();
@@ -493,8 +572,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
   const auto done = Clock::now();
   stats_.comm_wait_s += std::chrono::duration<double>(done - wait_start).count();
   stats_.comm_total_s = std::chrono::duration<double>(done - first_reduce_).count();
-  for (auto& u : units_) release(u);  // includes prefetched-but-unused units
-  ++iteration_;
+  for (auto& u : units_) reshard_any(u);  // includes prefetched-but-unused units
 }
 
 double FullyShardedDataParallel::Impl::grad_norm() {
@@ -623,7 +701,7 @@ StateLayout FullyShardedDataParallel::Impl::state_layout() {
 
 void FullyShardedDataParallel::Impl::state_loaded() {
   // The shards changed: no gathered copy may be reused; each is rebuilt at its next use.
-  for (auto& u : units_) release(u);
+  for (auto& u : units_) reshard_any(u);
 }
 
 // --- public wrapper ---
