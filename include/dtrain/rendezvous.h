@@ -18,6 +18,8 @@
 // under Open MPI on one host, 127.0.0.1 (across hosts MASTER_ADDR is required: mpirun
 // publishes no host list; pass it with `mpirun -x MASTER_ADDR=host0`); otherwise
 // 127.0.0.1:29500. GLOO_SOCKET_IFNAME (as in PyTorch) names the interface ranks listen on.
+// DTRAIN_STORE_TOKEN (optional, at most 1024 bytes): a secret shared by the job's processes;
+// the store refuses a process that does not present it (TcpStoreOptions::token).
 // LaunchInfo::from_env() is the only place dtrain reads these variables.
 #pragma once
 
@@ -45,6 +47,9 @@ struct LaunchInfo {
   // Interface every communicator of this process listens on (GLOO_SOCKET_IFNAME); empty:
   // the one that routes to master_addr (see CommunicatorOptions::interface).
   std::string socket_interface;
+  // DTRAIN_STORE_TOKEN: the job token connect_store presents to (on rank 0: requires of) the
+  // store's clients; empty: none.
+  std::string store_token;
   LaunchSource source = LaunchSource::kNone;
 
   // Reads this process's environment by the rules above. Throws dtrain::InvalidArgument

@@ -65,10 +65,34 @@ struct TcpStoreOptions {
   bool is_server = false;          // true on exactly one process (rank 0)
   // Bound on connecting to the server and on each blocking call.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
+
+  // Job token (DTRAIN_STORE_TOKEN through LaunchInfo), at most 1024 bytes. Every client
+  // presents it when it connects; the server refuses one whose token differs (compared in
+  // constant time), and that client throws CommError "store at HOST:PORT refused this
+  // process: wrong or missing DTRAIN_STORE_TOKEN". Empty on both sides: nothing to check.
+  std::string token;
+
+  // Bounds, checked by the client before it sends (InvalidArgument) and by the server for
+  // every request (an error reply, the connection stays usable). A frame longer than
+  // 5 + max_key_bytes + max_value_bytes cannot be framed: the server closes that client.
+  uint32_t max_key_bytes = 4096;
+  uint32_t max_value_bytes = 4u << 20;  // 4 MiB; Gloo's address list for 10k ranks is ~1.4 MiB
+  // Server only. Connections beyond this are refused ("too many clients"); each also needs
+  // a file descriptor (RLIMIT_NOFILE), and accept failures for lack of one back off.
+  int max_clients = 4096;
+  // Server only. A client whose unread replies exceed this is disconnected, so a client that
+  // never reads cannot make the server buffer without bound or delay others. Must be at
+  // least max_value_bytes + 16 (one reply to a get).
+  size_t max_unread_reply_bytes = 8u << 20;
+  // Server only. A connection that has not completed the handshake by then is closed.
+  std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10);
 };
 
 // A TCP store usable across processes and hosts. The server side also acts as a client.
-// Throws dtrain::TimeoutError if the server cannot be reached within options.timeout.
+// Throws dtrain::TimeoutError if the server cannot be reached within options.timeout,
+// dtrain::CommError if it refuses this process (token, client count), InvalidArgument for
+// inconsistent options. The server's thread never ends the process: a malformed, oversized
+// or unexpected message costs only the client that sent it.
 std::shared_ptr<Store> make_tcp_store(const TcpStoreOptions& options);
 
 }  // namespace dtrain

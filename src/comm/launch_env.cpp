@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/store/protocol.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
 
@@ -247,6 +248,12 @@ LaunchInfo LaunchInfo::from_env(const std::map<std::string, std::string>& env) {
       fail(fmt::format("GLOO_SOCKET_IFNAME='{}': dtrain listens on one interface; name one",
                        *ifname));
     info.socket_interface = *ifname;
+  }
+  if (const std::string* token = lookup(env, "DTRAIN_STORE_TOKEN")) {
+    if (token->size() > store_protocol::kMaxTokenBytes)
+      fail(fmt::format("DTRAIN_STORE_TOKEN is {} bytes long; at most {}", token->size(),
+                       store_protocol::kMaxTokenBytes));
+    info.store_token = *token;
   }
   info.validate();
   return info;

@@ -140,6 +140,7 @@ std::shared_ptr<Store> connect_store(const LaunchInfo& info, std::chrono::millis
   o.port = static_cast<uint16_t>(info.master_port);
   o.is_server = info.rank == 0;
   o.timeout = timeout;
+  o.token = info.store_token;
   std::shared_ptr<Store> store;
   try {
     store = make_tcp_store(o);
