@@ -11,9 +11,11 @@
 namespace gpt2 {
 namespace {
 
+// The shortest text that reads back as the same double: metrics compare bit for bit (a
+// resumed run against an uninterrupted one), which rounding to a few digits would hide.
 std::string number(double v) {
   if (!std::isfinite(v)) return "null";
-  return fmt::format("{:.6g}", v);
+  return fmt::format("{}", v);
 }
 
 std::string quoted(const std::string& s) {

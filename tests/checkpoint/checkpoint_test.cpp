@@ -8,12 +8,17 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <signal.h>
+
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <numeric>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "compat/torch_compat.h"
 #include "dtrain/checkpoint.h"
@@ -23,6 +28,7 @@
 #include "dtrain/single_device.h"
 #include "strategy/training.h"
 #include "support/check.h"
+#include "support/ranks.h"
 #include "support/temp_dir.h"
 
 namespace dtrain {
@@ -337,6 +343,56 @@ TEST(Checkpoint, RefusesMismatchedAndCorruptedCheckpoints) {
   // Not a checkpoint at all.
   fs::remove(path + "/MANIFEST");
   expect_refused(single, nullptr, {path, "MANIFEST", "missing"});
+}
+
+// Two ranks saving sharded FSDP checkpoints through the public API; one rank is killed at
+// each point of the second save. Until every rank's files are durable and rank 0 has renamed
+// the temporary directory, the first checkpoint stays the latest and loads (checksums
+// verified) with its values. A rank killed after its files are durable ("files_written" on
+// rank 1) no longer stops rank 0 from committing the complete second checkpoint. Never a
+// partial checkpoint, whichever rank dies.
+TEST(CheckpointKill, RankKilledAtAnyPointOfAShardedSaveLeavesALoadableCheckpoint) {
+  struct Kill {
+    const char* point;
+    int rank;
+  };
+  for (const Kill k : {Kill{"tmp_created", 1}, Kill{"mid_file", 0}, Kill{"mid_file", 1},
+                       Kill{"files_written", 0}, Kill{"files_written", 1},
+                       Kill{"before_rename", 0}, Kill{"renamed", 0}}) {
+    SCOPED_TRACE(std::string(k.point) + " on rank " + std::to_string(k.rank));
+    TempDir dir("ckrankkill");
+    const std::string d = (dir.path() / "ckpts").string();
+    const int port = free_port();
+    std::vector<Process> ranks;
+    for (int r = 0; r < 2; ++r) {
+      auto env = rank_env(r, 2, port);
+      env["DTRAIN_TEST_PAUSE_AT"] = k.point;
+      env["DTRAIN_TEST_PAUSE_RANK"] = std::to_string(k.rank);
+      ranks.push_back(spawn_process({DTRAIN_TEST_WORKER, "sharded_checkpoint_writer", "20000", d}, env));
+    }
+    const fs::path flag = dir.path() / ("paused." + std::to_string(k.rank));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+    while (!fs::exists(flag) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(fs::exists(flag)) << "the writer never reached " << k.point;
+    ::kill(ranks[k.rank].pid, SIGKILL);
+    // The survivor fails on the lost peer (or finishes); either way it must not write a
+    // checkpoint that the killed rank did not complete.
+    for (auto& p : ranks) wait_process(p, 60);
+
+    const std::string point = k.point;
+    const int64_t want = point == "renamed" || (point == "files_written" && k.rank != 0) ? 2 : 1;
+    const std::string latest = latest_checkpoint(d);
+    ASSERT_EQ(latest, (fs::path(d) / fmt::format("step_{:09d}", want)).string());
+    auto module = make_model(Model::kTransformer, 99);
+    SingleDevice single(module);
+    const TrainingState st = load_checkpoint(latest, single, nullptr);
+    EXPECT_EQ(st.step, want);
+    for (const auto& item : module->named_parameters()) {
+      EXPECT_TRUE(item.value().eq(static_cast<float>(want)).all().item<bool>()) << item.key();
+    }
+  }
 }
 
 }  // namespace

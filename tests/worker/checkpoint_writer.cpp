@@ -9,6 +9,9 @@
 
 #include "checkpoint/directory.h"
 #include "checkpoint/safetensors.h"
+#include "dtrain/checkpoint.h"
+#include "dtrain/fsdp.h"
+#include "strategy/training.h"
 
 namespace dtrain::testing {
 
@@ -45,6 +48,33 @@ int checkpoint_writer(const std::string& dir, const std::string& pause_at) {
   } catch (const std::exception& e) {
     std::printf("error: %s\n", e.what());
     return 1;
+  }
+}
+
+void sharded_checkpoint_writer(const std::shared_ptr<Communicator>& comm, const std::string& dir,
+                               const std::string& pause_at, int pause_rank) {
+  at::set_num_threads(1);
+  auto module = make_model(Model::kTransformer, 7);
+  FsdpOptions o;
+  o.wrap_policy = wrap_modules_named("BlockImpl");
+  FullyShardedDataParallel fsdp(module, comm, o);
+  for (int64_t step = 1; step <= 2; ++step) {
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : fsdp.parameters()) p.fill_(static_cast<float>(step));
+    }
+    CheckpointOptions options;
+    options.format = CheckpointFormat::kSharded;
+    options.on_progress = [&](const char* point) {
+      if (step != 2 || comm->rank() != pause_rank || point != pause_at) return;
+      std::ofstream(std::filesystem::path(dir).parent_path() /
+                    ("paused." + std::to_string(pause_rank)))
+          << point << "\n";
+      for (;;) ::pause();  // until SIGKILL
+    };
+    TrainingState state;
+    state.step = step;
+    save_checkpoint(dir, fsdp, nullptr, state, options);
   }
 }
 

@@ -372,8 +372,15 @@ RunResult run_and_interrupt(const std::string& name, std::vector<std::string> ar
   return r;
 }
 
+std::string file_bytes(const std::string& path) {
+  std::stringstream ss;
+  ss << std::ifstream(path, std::ios::binary).rdbuf();
+  return ss.str();
+}
+
 // Interrupted (SIGTERM) then resumed: together the same per-step loss and gradient norm as
-// the uninterrupted run, exactly when `rtol` is 0.
+// the uninterrupted run (metrics carry full double precision), and when `rtol` is 0 bit for
+// bit, with final weights (--export) byte for byte identical.
 void expect_exact_resume(const std::string& name, const std::vector<std::string>& first,
                          const std::vector<std::string>& second,
                          const std::vector<std::string>& reference, double rtol, int total = 30) {
@@ -381,7 +388,10 @@ void expect_exact_resume(const std::string& name, const std::vector<std::string>
   std::filesystem::remove_all(dir);
   const std::string n = "--steps=" + std::to_string(total);
   const std::vector<std::string> steps = {n, "--ckpt_dir=" + dir};
-  RunResult whole = run_trainer(name + "_whole", with(with(common_args(), reference), {n}));
+  const std::string whole_weights = temp_path(name + "_whole.safetensors");
+  const std::string rest_weights = temp_path(name + "_rest.safetensors");
+  RunResult whole = run_trainer(name + "_whole", with(with(common_args(), reference),
+                                                      {n, "--export=" + whole_weights}));
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   ASSERT_EQ(whole.steps.size(), static_cast<size_t>(total));
   RunResult cut = run_and_interrupt(name + "_cut", with(with(common_args(), first), steps), 3);
@@ -390,7 +400,8 @@ void expect_exact_resume(const std::string& name, const std::vector<std::string>
   ASSERT_NE(cut.output.find("continue with --resume"), std::string::npos) << cut.output;
   ASSERT_LT(cut.steps.size(), static_cast<size_t>(total)) << "the run ended before the signal";
   RunResult rest =
-      run_trainer(name + "_rest", with(with(with(common_args(), second), steps), {"--resume"}));
+      run_trainer(name + "_rest", with(with(with(common_args(), second), steps),
+                                       {"--resume", "--export=" + rest_weights}));
   ASSERT_EQ(rest.exit_code, 0) << rest.output;
   ASSERT_NE(rest.output.find("resume: step " + std::to_string(cut.steps.size())), std::string::npos)
       << rest.output;
@@ -408,6 +419,13 @@ void expect_exact_resume(const std::string& name, const std::vector<std::string>
       }
     }
   }
+  if (rtol == 0) {
+    const std::string w = file_bytes(whole_weights);
+    EXPECT_GT(w.size(), 100000u);
+    EXPECT_TRUE(w == file_bytes(rest_weights)) << "final weights differ";
+  }
+  std::remove(whole_weights.c_str());
+  std::remove(rest_weights.c_str());
   std::filesystem::remove_all(dir);
 }
 
