@@ -5,7 +5,9 @@
 // the global batch and write the final parameters, raw fp32, to out_path),
 // "checkpoint_writer" (out_path is a checkpoint directory: save steps 1 and 2 there; with
 // DTRAIN_TEST_PAUSE_AT=<point> the save of step 2 creates out_path/../paused at that point
-// and then waits to be killed), "listen" (hold TCP port <timeout_ms> on every interface,
+// and then waits to be killed), "sharded_checkpoint_writer" (the same through
+// save_checkpoint under FSDP on every rank; DTRAIN_TEST_PAUSE_RANK picks the rank that
+// stops, creating out_path/../paused.<rank>), "listen" (hold TCP port <timeout_ms> on every interface,
 // accepting and never answering, for 30 s: a program other than the job's store on the
 // master's port). Exit codes: 0 ok, 3
 // dtrain::CommError, 4 dtrain::TimeoutError, 1 other.
@@ -99,6 +101,11 @@ int main(int argc, char** argv) {
         std::fwrite(t.data_ptr<float>(), sizeof(float), static_cast<size_t>(t.numel()), f);
       }
       std::fclose(f);
+    } else if (scenario == "sharded_checkpoint_writer" && argc == 4) {
+      const char* pause = std::getenv("DTRAIN_TEST_PAUSE_AT");
+      const char* pause_rank = std::getenv("DTRAIN_TEST_PAUSE_RANK");
+      dtrain::testing::sharded_checkpoint_writer(comm, argv[3], pause != nullptr ? pause : "",
+                                                 pause_rank != nullptr ? std::stoi(pause_rank) : 0);
     } else if (scenario == "loop") {
       at::Tensor t = at::ones({4096});
       for (long i = 0;; ++i) {
