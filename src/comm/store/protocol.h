@@ -83,7 +83,8 @@ class Server {
   Server(Limits limits, std::string token) : limits_(limits), token_(std::move(token)) {}
 
   // Handles the `n` bytes that arrived from one client: appends reply frames to `out` and
-  // keeps an incomplete frame in `session.in` (never more than 4 + max_frame_bytes()).
+  // keeps an incomplete frame in `session.in` (less than 4 + max_frame_bytes(), or before the
+  // handshake 4 + kMaxHelloFrameBytes).
   // Never throws for any input (std::bad_alloc aside).
   Verdict consume(Session& session, const char* data, size_t n, std::string& out);
 
