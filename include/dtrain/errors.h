@@ -56,6 +56,15 @@ class TimeoutError : public CommError {
   using CommError::CommError;
 };
 
+// A training step failed on another rank (its exception in forward, backward or a
+// communication hook). Every rank throws from the same step, this one with this error naming
+// the failing rank and its message; the step's gradients were dropped (zeroed) and the
+// strategy is ready for the next step (docs/strategies.md, "Failures").
+class StepError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A checkpoint or safetensors file cannot be used: missing, truncated, corrupted (checksum),
 // foreign (not written by dtrain / not safetensors), or not matching what loads it (other
 // model, format version, strategy state). The message is one line naming the file and the

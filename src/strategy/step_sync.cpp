@@ -1,0 +1,179 @@
+#include "strategy/step_sync.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "dtrain/errors.h"
+
+namespace dtrain {
+namespace {
+
+constexpr int64_t kColumns = 3;         // point, step, failed
+constexpr int64_t kMessageBytes = 384;  // of a failing rank's what(), sent to its peers
+
+// "the start of step 12", "the end of backward of step 12", ...
+std::string point_name(int64_t p, int64_t step) {
+  switch (static_cast<StepSync::Point>(p)) {
+    case StepSync::Point::kStart: return fmt::format("the start of step {}", step);
+    case StepSync::Point::kFinish: return fmt::format("finish() at step {}", step);
+    case StepSync::Point::kForwardEnd:
+      return fmt::format("the end of the evaluation forward of step {}", step);
+    case StepSync::Point::kBackwardEnd: return fmt::format("the end of backward of step {}", step);
+  }
+  return fmt::format("an unknown point of step {}", step);
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
+}
+
+}  // namespace
+
+std::string describe(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+StepSync::StepSync(CommunicatorPtr comm, std::string strategy, c10::Device device)
+    : comm_(std::move(comm)), strategy_(std::move(strategy)), device_(device) {}
+
+ErrorContext StepSync::ctx(const char* op) const {
+  return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
+}
+
+void StepSync::check_usable(const char* /*op*/) const {
+  if (broken_) std::rethrow_exception(broken_);
+}
+
+std::exception_ptr StepSync::break_with(const char* op, const std::string& why,
+                                        std::exception_ptr cause) {
+  if (!broken_) {
+    broken_ = std::make_exception_ptr(CommError(
+        ctx(op), fmt::format("{} is unusable since step {}: {}: {}", strategy_, step_, why,
+                             cause ? describe(cause) : std::string("no cause"))));
+  }
+  return broken_;
+}
+
+at::Tensor StepSync::exchange(Point point, const char* op, bool failed) {
+  const int world = comm_->world_size();
+  at::Tensor mine = at::tensor({static_cast<int64_t>(point), step_, int64_t{failed}}, at::kLong);
+  if (world == 1) return mine.view({1, kColumns});
+  c10::NoGradGuard no_grad;
+  at::Tensor all = at::empty({world * kColumns}, at::TensorOptions(at::kLong).device(device_));
+  try {
+    comm_->all_gather(all, mine.to(device_))->wait();
+  } catch (...) {
+    std::rethrow_exception(break_with(
+        op,
+        fmt::format("the ranks did not meet at {} (a rank that failed, exited or ran out of data "
+                    "without calling finish() leaves the others here)",
+                    point_name(static_cast<int64_t>(point), step_)),
+        std::current_exception()));
+  }
+  return all.cpu().view({world, kColumns});
+}
+
+void StepSync::start_step(const char* op) {
+  check_usable(op);
+  ++step_;
+  at::Tensor table = exchange(Point::kStart, op, false);
+  std::vector<int> with, without, elsewhere;
+  for (int r = 0; r < table.size(0); ++r) {
+    const int64_t p = table[r][0].item<int64_t>();
+    (p == static_cast<int64_t>(Point::kStart) ? with
+     : p == static_cast<int64_t>(Point::kFinish) ? without
+                                                  : elsewhere)
+        .push_back(r);
+  }
+  if (!elsewhere.empty()) {
+    std::rethrow_exception(break_with(
+        op, "ranks out of step",
+        std::make_exception_ptr(Error(fmt::format(
+            "{} started step {} while {} reached {}", ranks_text(with), step_,
+            ranks_text(elsewhere),
+            point_name(table[elsewhere[0]][0].item<int64_t>(),
+                       table[elsewhere[0]][1].item<int64_t>()))))));
+  }
+  if (!without.empty()) {
+    throw InvalidArgument(ctx(op), fmt::format("{} had no batch at step {} while {} did",
+                                               ranks_text(without), step_, ranks_text(with)));
+  }
+}
+
+void StepSync::finish() {
+  check_usable("finish");
+  ++step_;
+  at::Tensor table = exchange(Point::kFinish, "finish", false);
+  std::vector<int> with, without;
+  for (int r = 0; r < table.size(0); ++r) {
+    (table[r][0].item<int64_t>() == static_cast<int64_t>(Point::kFinish) ? without : with)
+        .push_back(r);
+  }
+  --step_;  // finish() is not a step: a later forward() starts this one
+  if (!with.empty()) {
+    throw InvalidArgument(ctx("finish"), fmt::format("{} had no batch at step {} while {} did",
+                                                     ranks_text(without), step_ + 1,
+                                                     ranks_text(with)));
+  }
+}
+
+std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_ptr local) {
+  at::Tensor table = exchange(point, op, static_cast<bool>(local));
+  const int world = static_cast<int>(table.size(0));
+  std::vector<int> failed, elsewhere;
+  for (int r = 0; r < world; ++r) {
+    if (table[r][0].item<int64_t>() != static_cast<int64_t>(point) ||
+        table[r][1].item<int64_t>() != step_) {
+      elsewhere.push_back(r);
+    }
+    if (table[r][2].item<int64_t>() != 0) failed.push_back(r);
+  }
+  if (!elsewhere.empty()) {
+    return break_with(op, "ranks out of step",
+                      std::make_exception_ptr(Error(fmt::format(
+                          "rank {} reached {} while {} reached {}", comm_->rank(),
+                          point_name(static_cast<int64_t>(point), step_), ranks_text(elsewhere),
+                          point_name(table[elsewhere[0]][0].item<int64_t>(),
+                                     table[elsewhere[0]][1].item<int64_t>())))));
+  }
+  if (failed.empty()) return nullptr;
+  // Every rank learns the first failing rank's message: one more exchange, on failure only.
+  at::Tensor message = at::zeros({kMessageBytes}, at::kByte);
+  if (local) {
+    const std::string what = describe(local);
+    std::memcpy(message.data_ptr(), what.data(),
+                std::min<size_t>(what.size(), static_cast<size_t>(kMessageBytes - 1)));
+  }
+  at::Tensor messages = message.view({1, kMessageBytes});
+  if (world > 1) {
+    at::Tensor all = at::empty({world * kMessageBytes}, at::TensorOptions(at::kByte).device(device_));
+    try {
+      comm_->all_gather(all, message.to(device_))->wait();
+    } catch (...) {
+      return break_with(op, "the failure report did not reach every rank", std::current_exception());
+    }
+    messages = all.cpu().view({world, kMessageBytes});
+  }
+  if (local) return local;
+  const int first = failed.front();
+  const std::string what(static_cast<const char*>(messages[first].data_ptr()));
+  return std::make_exception_ptr(
+      StepError(ctx(op), fmt::format("step {} failed on {}: {}; the step was dropped on every "
+                                     "rank and the strategy is ready for the next one",
+                                     step_, ranks_text(failed), what)));
+}
+
+}  // namespace dtrain

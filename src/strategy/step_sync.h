@@ -1,0 +1,77 @@
+// Step agreements: how the ranks of a strategy stay in step when one of them fails or runs
+// out of data.
+//
+// A rank can only learn about another rank's trouble through a collective that both issue at
+// the same point of their collective streams. StepSync owns those points: a tiny all-gather
+// (3 int64 per rank) at the start of every forward(), at the end of every backward() and at
+// the end of an evaluation forward (grad mode off), plus finish(). Every rank reads the same
+// table, so every rank reaches the same verdict: all go on, all throw, or all break.
+//
+// States: kReady (agreements may run) -> kBroken (sticky; every later call throws the first
+// cause). A strategy breaks when its collective stream may no longer match its peers' (a
+// collective failed, or an exception left an unknown number of collectives issued); it then
+// issues nothing more, so its peers fail within their communicator timeout instead of pairing
+// the wrong collectives.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include "dtrain/communicator.h"
+#include "dtrain/errors.h"
+
+namespace dtrain {
+
+class StepSync {
+ public:
+  // Where in a step an agreement is; ranks at different points are out of step.
+  enum class Point : int64_t { kStart = 1, kFinish = 2, kForwardEnd = 3, kBackwardEnd = 4 };
+
+  // `device`: where the agreement's tensors live (the communicator's device: CPU for Gloo).
+  StepSync(CommunicatorPtr comm, std::string strategy, c10::Device device);
+
+  // Index of the current step (forward() calls, from 0), for messages.
+  int64_t step() const { return step_; }
+  bool broken() const { return static_cast<bool>(broken_); }
+
+  // Throws the sticky CommError when broken.
+  void check_usable(const char* op) const;
+
+  // Start of a forward(): every rank must be starting the same step. Throws InvalidArgument
+  // on every rank when some called finish() instead ("rank 1 had no batch at step 12 while
+  // rank 0 did"); a failed agreement (peer gone, timeout) breaks.
+  void start_step(const char* op);
+
+  // A rank with no more data: the same agreement with "no batch". Returns once every rank
+  // called finish(); throws like start_step() when some rank is still stepping.
+  void finish();
+
+  // End of a step (or of an evaluation forward): `local` is this rank's failure in the step,
+  // or null. Returns null when no rank failed. Otherwise returns what this rank must throw once
+  // its state is reset: its own exception, or a StepError naming the first failing rank and
+  // that rank's message. Throws (and breaks) when the agreement itself fails.
+  std::exception_ptr agree(Point point, const char* op, std::exception_ptr local);
+
+  // Marks the strategy unusable and returns the CommError to throw: "step 12 (backward): the
+  // strategy is unusable: <why>: <cause>". Later calls throw it again.
+  std::exception_ptr break_with(const char* op, const std::string& why, std::exception_ptr cause);
+
+ private:
+  ErrorContext ctx(const char* op) const;
+  // Issues the agreement and returns every rank's [point, step, failed] row.
+  at::Tensor exchange(Point point, const char* op, bool failed);
+
+  CommunicatorPtr comm_;
+  std::string strategy_;
+  c10::Device device_;
+  int64_t step_ = -1;
+  std::exception_ptr broken_;
+};
+
+// what() of an exception_ptr, for messages ("unknown exception" for non-std exceptions).
+std::string describe(std::exception_ptr e);
+
+}  // namespace dtrain
