@@ -52,6 +52,7 @@ class DataParallel final : public Strategy {
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   const StepStats& last_step_stats() const override;
   StateLayout state_layout() override;
+  void finish() override;
   std::string name() const override { return "ddp"; }
   int rank() const override;
   int world_size() const override;
@@ -79,6 +80,8 @@ class DataParallel final : public Strategy {
 
  protected:
   void begin_forward() override;
+  void end_forward(at::Tensor& output) override;
+  void forward_failed(std::exception_ptr error) noexcept override;
 
  private:
   class Reducer;

@@ -109,6 +109,7 @@ class FullyShardedDataParallel final : public Strategy {
   // the shard); frozen parameters and buffers are replicated.
   StateLayout state_layout() override;
   void state_loaded() override;
+  void finish() override;
   std::string name() const override { return "fsdp"; }
   int rank() const override;
   int world_size() const override;
@@ -130,6 +131,7 @@ class FullyShardedDataParallel final : public Strategy {
  protected:
   void begin_forward() override;
   void end_forward(at::Tensor& output) override;
+  void forward_failed(std::exception_ptr error) noexcept override;
 
  private:
   std::unique_ptr<Impl> impl_;

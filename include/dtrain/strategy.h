@@ -1,24 +1,35 @@
 // Strategy: one training loop for every way of spreading a model over ranks.
 //
-//   auto strategy = std::make_shared<dtrain::DataParallel>(model, comm);   // or SingleDevice,
-//   torch::optim::AdamW opt(strategy->parameters(), options);              //
-//   FullyShardedDataParallel for (auto& batch : loader) {
+//   auto strategy = std::make_shared<dtrain::DataParallel>(model, comm);  // or SingleDevice,
+//   torch::optim::AdamW opt(strategy->parameters(), options);             // FullyShardedDataParallel
+//   for (auto& batch : loader) {
 //     opt.zero_grad();
-//     at::Tensor loss = strategy->forward([&] { return loss_fn(model->forward(batch.x), batch.y);
-//     }); strategy->backward(loss);            // gradients are reduced when this returns
-//     strategy->clip_grad_norm(1.0);       // global norm, whatever the sharding
-//     opt.step();                          // steps what parameters() returned
+//     at::Tensor loss =
+//         strategy->forward([&] { return loss_fn(model->forward(batch.x), batch.y); });
+//     strategy->backward(loss);       // gradients are reduced when this returns
+//     strategy->clip_grad_norm(1.0);  // global norm, whatever the sharding
+//     opt.step();                     // steps what parameters() returned
 //   }
+//   strategy->finish();  // every rank, after its last batch: uneven data is an error
 //
 // The wrapped module's code is never changed. forward() takes the module call as a
 // function so that any forward signature works and strategies can prepare parameters
 // before it (FSDP gathers them) and hook its output (FSDP's pre-backward gather).
+//
+// Failures (docs/strategies.md): an exception in forward(), backward() or a communication
+// hook on any rank makes every rank throw from the same step (the failing rank its own
+// exception, the others StepError), with the step's gradients dropped and the strategy ready
+// for the next step. Where a rank cannot keep its collectives in step with the others, it
+// throws CommError on this and every later call, and its peers fail within the communicator's
+// timeout. A forward() run with grad mode on is a training step: backward() must follow it on
+// every rank, as in PyTorch's DDP.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <utility>
 #include <vector>
@@ -68,10 +79,18 @@ class Strategy {
   virtual ~Strategy() = default;
 
   // Runs `fn` (the module's forward and, usually, the loss) with the parameters ready.
+  // Collective: every rank calls it for every step. When fn throws, the strategy keeps its
+  // collectives in step with the other ranks, resets itself and rethrows fn's exception.
   template <typename Fn>
   at::Tensor forward(Fn&& fn) {
     begin_forward();
-    at::Tensor out = std::forward<Fn>(fn)();
+    at::Tensor out;
+    try {
+      out = std::forward<Fn>(fn)();
+    } catch (...) {
+      forward_failed(std::current_exception());
+      throw;
+    }
     end_forward(out);
     return out;
   }
@@ -103,6 +122,11 @@ class Strategy {
   virtual StateLayout state_layout();
   virtual void state_loaded() {}
 
+  // Call on every rank once it has no more batches (instead of another forward()).
+  // Collective: returns when every rank called it; throws InvalidArgument on every rank when
+  // some rank is still stepping, e.g. "rank 1 had no batch at step 12 while rank 0 did".
+  virtual void finish() {}
+
   virtual const StepStats& last_step_stats() const = 0;
   virtual std::string name() const = 0;
   virtual int rank() const = 0;
@@ -111,6 +135,9 @@ class Strategy {
  protected:
   virtual void begin_forward() {}
   virtual void end_forward(at::Tensor& /*output*/) {}
+  // forward()'s fn threw `error`: issue what the other ranks still expect from this step,
+  // agree the failure with them and reset. Must not throw; forward() rethrows `error`.
+  virtual void forward_failed(std::exception_ptr /*error*/) noexcept {}
 };
 
 // Bytes held by the defined tensors (each storage counted once).

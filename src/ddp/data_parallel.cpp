@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -14,6 +15,7 @@
 #include "dtrain/errors.h"
 #include "strategy/module_sync.h"
 #include "strategy/state_layout.h"
+#include "strategy/step_sync.h"
 
 namespace dtrain {
 namespace {
@@ -37,7 +39,10 @@ class DataParallel::Reducer {
   ~Reducer() { token_.reset(); }
 
   void begin_forward();
+  void end_forward();
+  void forward_failed(std::exception_ptr error);
   void backward(const at::Tensor& loss);
+  void finish();
   double grad_norm();
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
 
@@ -57,7 +62,6 @@ class DataParallel::Reducer {
     std::vector<int64_t> offsets;
     at::Tensor flat;
     int pending = 0;
-    bool launched = false;
     WorkPtr work;
   };
 
@@ -69,7 +73,12 @@ class DataParallel::Reducer {
   void on_grad_ready(size_t param);
   void launch_ready_buckets();
   void launch(size_t b);
-  void finish_unused_parameters();
+  // What backward communicates once autograd is done (or failed): every remaining bucket,
+  // in order, waited for, and the unused-parameter all-reduce. Returns a failure that left
+  // the collectives in step (a hook's continuation threw); breaks on any other.
+  std::exception_ptr complete_communication(at::Tensor& used_everywhere);
+  void apply_unused_parameters(const at::Tensor& used_everywhere);
+  void reset_after_failure();
   void rebuild_from_ready_order();
 
   std::vector<std::string> names_;
@@ -88,12 +97,18 @@ class DataParallel::Reducer {
   std::vector<size_t> ready_order_;
   int64_t iteration_ = 0;
   bool rebuilt_ = false;
+  bool training_forward_ = false;  // the running forward() has grad mode on
+  std::exception_ptr hook_error_;  // a comm hook threw while issuing: collectives out of step
   Clock::time_point first_launch_;
+  StepSync steps_;
 };
 
 DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
                                DataParallelOptions options)
-    : module_(std::move(module)), comm_(std::move(comm)), options_(std::move(options)) {
+    : module_(std::move(module)),
+      comm_(std::move(comm)),
+      options_(std::move(options)),
+      steps_(comm_, "DataParallel", c10::Device(c10::kCPU)) {
   if (!comm_) throw InvalidArgument("DataParallel: communicator is null");
   if (!module_) throw InvalidArgument(ctx("DataParallel()"), "module is null");
   if (options_.bucket_cap_mb <= 0 || options_.first_bucket_cap_mb <= 0) {
@@ -197,11 +212,52 @@ void DataParallel::Reducer::ensure_grad_views() {
 }
 
 void DataParallel::Reducer::begin_forward() {
-  if (iteration_ == 1 && options_.rebuild_buckets && !rebuilt_ && sync_) {
-    rebuild_from_ready_order();
+  steps_.start_step("forward");  // first: a rank that called finish() meets this one here
+  training_forward_ = c10::GradMode::is_enabled();
+  try {
+    if (iteration_ == 1 && options_.rebuild_buckets && !rebuilt_ && sync_) {
+      rebuild_from_ready_order();
+    }
+    ensure_grad_views();
+    if (options_.broadcast_buffers && !buffers_.empty()) broadcast_from_rank0(*comm_, buffers_);
+  } catch (...) {
+    std::rethrow_exception(steps_.break_with("forward", "a collective at the start of the step failed",
+                                             std::current_exception()));
   }
-  ensure_grad_views();
-  if (options_.broadcast_buffers && !buffers_.empty()) broadcast_from_rank0(*comm_, buffers_);
+}
+
+void DataParallel::Reducer::end_forward() {
+  if (training_forward_) return;  // agreed at the end of backward()
+  // An evaluation forward has no backward: its outcome is agreed here.
+  if (auto failure = steps_.agree(StepSync::Point::kForwardEnd, "forward", nullptr)) {
+    std::rethrow_exception(failure);
+  }
+}
+
+void DataParallel::Reducer::forward_failed(std::exception_ptr error) {
+  if (steps_.broken()) return;
+  try {
+    if (!training_forward_) {
+      steps_.agree(StepSync::Point::kForwardEnd, "forward", error);
+    } else {
+      // The other ranks go on to backward(): issue what it issues, with this rank's
+      // (dropped) buffers, so that every rank reaches the agreement.
+      std::lock_guard<std::mutex> lock(mu_);
+      armed_ = false;
+      if (sync_) {
+        stats_ = StepStats{};
+        launch_order_.clear();
+        next_launch_ = 0;
+        for (auto& b : buckets_) b.pending = 0;
+        at::Tensor used;
+        complete_communication(used);
+      }
+      if (!steps_.broken()) steps_.agree(StepSync::Point::kBackwardEnd, "forward", error);
+    }
+  } catch (...) {
+    // broken: the sticky error is thrown by the next call; forward() rethrows `error` now
+  }
+  if (!steps_.broken()) reset_after_failure();
 }
 
 void DataParallel::Reducer::rebuild_from_ready_order() {
@@ -239,28 +295,73 @@ void DataParallel::Reducer::launch_ready_buckets() {
   // Launch strictly in bucket order: every rank must issue the same collectives in the
   // same order, whatever order its gradients became ready in.
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
-    launch(next_launch_++);
+    if (next_launch_ == 0) first_launch_ = Clock::now();
+    launch(next_launch_);
+    ++next_launch_;
   }
 }
 
 void DataParallel::Reducer::launch(size_t b) {
   Bucket& bucket = buckets_[b];
-  if (next_launch_ == 1) first_launch_ = Clock::now();
   GradBucket gb;
   gb.index = static_cast<int>(b);
   gb.buffer = bucket.flat;
   for (size_t i : bucket.params) gb.parameters.push_back(params_[i]);
   gb.offsets = bucket.offsets;
   gb.is_last = b + 1 == buckets_.size();
-  bucket.work = hook_->run(*comm_, gb);
-  bucket.launched = true;
+  try {
+    bucket.work = hook_->run(*comm_, gb);
+  } catch (...) {
+    // How many collectives the hook issued before throwing is unknown.
+    hook_error_ = std::current_exception();
+    throw;
+  }
   launch_order_.push_back(static_cast<int>(b));
   stats_.bytes_communicated +=
       bucket.flat.numel() * static_cast<int64_t>(bucket.flat.element_size());
   stats_.num_collectives += 1;
 }
 
+std::exception_ptr DataParallel::Reducer::complete_communication(at::Tensor& used_everywhere) {
+  auto broken = [&](const std::string& why, std::exception_ptr cause) {
+    std::rethrow_exception(steps_.break_with("backward", why, cause));
+  };
+  // Parameters that received no gradient leave their bucket pending: flush what is left,
+  // still in order (their gradient region holds zeros or earlier accumulation).
+  for (auto& b : buckets_) b.pending = 0;
+  try {
+    launch_ready_buckets();
+  } catch (...) {
+    broken("communication hook '" + hook_->name() + "' threw while issuing its collectives",
+           std::current_exception());
+  }
+  std::exception_ptr failure;
+  for (auto& b : buckets_) {
+    try {
+      b.work->wait();
+    } catch (const CommError&) {
+      broken("a gradient collective failed (a rank that failed inside a communication hook, "
+             "exited or ran out of data stops issuing them)",
+             std::current_exception());
+    } catch (...) {
+      // The collective completed everywhere; a hook's continuation failed on this rank.
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (options_.find_unused_parameters) {
+    used_everywhere = at::empty({static_cast<int64_t>(used_.size())}, at::kByte);
+    std::memcpy(used_everywhere.data_ptr(), used_.data(), used_.size());
+    try {
+      comm_->all_reduce(used_everywhere, ReduceOp::kMax)->wait();
+    } catch (...) {
+      broken("the unused-parameter all-reduce failed", std::current_exception());
+    }
+  }
+  return failure;
+}
+
 void DataParallel::Reducer::backward(const at::Tensor& loss) {
+  steps_.check_usable("backward");
   ensure_grad_views();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -270,41 +371,74 @@ void DataParallel::Reducer::backward(const at::Tensor& loss) {
     std::fill(used_.begin(), used_.end(), 0);
     for (auto& b : buckets_) {
       b.pending = static_cast<int>(b.params.size());
-      b.launched = false;
       b.work.reset();
     }
     armed_ = sync_;
   }
-  loss.backward();
+  std::exception_ptr failure;
+  try {
+    loss.backward();
+  } catch (...) {
+    failure = std::current_exception();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   armed_ = false;
-  if (!sync_) return;  // no_sync: gradients stay local, accumulated in the buckets
-
-  // Parameters that received no gradient leave their bucket pending: flush what is left,
-  // still in order (their gradient region holds zeros or earlier accumulation).
-  for (auto& b : buckets_) b.pending = 0;
-  launch_ready_buckets();
+  if (hook_error_) {
+    std::rethrow_exception(steps_.break_with(
+        "backward", "communication hook '" + hook_->name() + "' threw while issuing its collectives",
+        hook_error_));
+  }
+  at::Tensor used;
   const auto wait_start = Clock::now();
-  for (auto& b : buckets_) b.work->wait();
+  if (sync_) {  // no_sync: gradients stay local, accumulated in the buckets
+    if (auto hook_failure = complete_communication(used); hook_failure && !failure) {
+      failure = hook_failure;
+    }
+  }
   const auto done = Clock::now();
+  if (auto outcome = steps_.agree(StepSync::Point::kBackwardEnd, "backward", failure)) {
+    reset_after_failure();
+    std::rethrow_exception(outcome);
+  }
+  if (!sync_) return;
   stats_.comm_wait_s = std::chrono::duration<double>(done - wait_start).count();
   stats_.comm_total_s = std::chrono::duration<double>(done - first_launch_).count();
   for (auto& b : buckets_) b.work.reset();
-  if (options_.find_unused_parameters) finish_unused_parameters();
+  if (options_.find_unused_parameters) apply_unused_parameters(used);
   std::fill(grad_was_none_.begin(), grad_was_none_.end(), 0);
   ++iteration_;
 }
 
-void DataParallel::Reducer::finish_unused_parameters() {
-  at::Tensor used = at::empty({static_cast<int64_t>(used_.size())}, at::kByte);
-  std::memcpy(used.data_ptr(), used_.data(), used_.size());
-  comm_->all_reduce(used, ReduceOp::kMax)->wait();
-  const auto* u = used.data_ptr<uint8_t>();
+void DataParallel::Reducer::apply_unused_parameters(const at::Tensor& used_everywhere) {
+  const auto* u = used_everywhere.data_ptr<uint8_t>();
   for (size_t i = 0; i < params_.size(); ++i) {
     // Unused everywhere: leave .grad as single-device training would, undefined if the
     // optimizer had set it to none (LibTorch 2.x's zero_grad), zeros otherwise.
     if (u[i] == 0 && grad_was_none_[i]) params_[i].mutable_grad().reset();
   }
+}
+
+// A failed step leaves every gradient zero, as after zero_grad(); collectives of the step
+// have all completed (they were waited for before the agreement).
+void DataParallel::Reducer::reset_after_failure() {
+  c10::NoGradGuard no_grad;
+  armed_ = false;
+  hook_error_ = nullptr;
+  next_launch_ = 0;
+  launch_order_.clear();
+  std::fill(used_.begin(), used_.end(), 0);
+  std::fill(grad_was_none_.begin(), grad_was_none_.end(), 0);
+  if (iteration_ == 0) ready_order_.clear();  // a partial order must not shape the buckets
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int>(b.params.size());
+    b.work.reset();
+    b.flat.zero_();
+  }
+}
+
+void DataParallel::Reducer::finish() {
+  steps_.check_usable("finish");
+  steps_.finish();
 }
 
 double DataParallel::Reducer::grad_norm() {
@@ -347,6 +481,11 @@ const StepStats& DataParallel::last_step_stats() const { return reducer_->stats_
 int DataParallel::rank() const { return reducer_->comm_->rank(); }
 int DataParallel::world_size() const { return reducer_->comm_->world_size(); }
 void DataParallel::begin_forward() { reducer_->begin_forward(); }
+void DataParallel::end_forward(at::Tensor& /*output*/) { reducer_->end_forward(); }
+void DataParallel::forward_failed(std::exception_ptr error) noexcept {
+  reducer_->forward_failed(std::move(error));
+}
+void DataParallel::finish() { reducer_->finish(); }
 std::vector<std::vector<size_t>> DataParallel::bucket_assignment() const {
   return reducer_->assignment_;
 }

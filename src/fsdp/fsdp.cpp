@@ -8,6 +8,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include "dtrain/errors.h"
 #include "strategy/module_sync.h"
 #include "strategy/state_layout.h"
+#include "strategy/step_sync.h"
 
 namespace dtrain {
 namespace {
@@ -39,6 +41,8 @@ class FullyShardedDataParallel::Impl {
 
   void begin_forward();
   void end_forward(at::Tensor& output);
+  void forward_failed(std::exception_ptr error);
+  void finish();
   at::Tensor unit_call(torch::nn::Module& module, const std::function<at::Tensor()>& fn);
   void backward(const at::Tensor& loss);
   double grad_norm();
@@ -67,11 +71,13 @@ class FullyShardedDataParallel::Impl {
   // Where a unit's gradient is within backward.
   //   kIdle:         no backward in progress.
   //   kAccumulating: backward armed; `pending` parameters still wait for their gradient.
-  //   kReducing:     flattened and reduce-scattered; the result is added to the shard's
-  //                  .grad at the end of backward.
+  //   kReducing:     flattened and reduce-scattered (in flight).
+  //   kReduced:      the averaged shard gradient is in reduce_out, to be added to the
+  //                  shard's .grad once every rank agreed the step succeeded.
   // Moves: arm() kIdle -> kAccumulating, launch_reduction() kAccumulating -> kReducing,
-  // finish_reduction() kReducing -> kIdle.
-  enum class GradState { kIdle, kAccumulating, kReducing };
+  // complete_reduction() kReducing -> kReduced, accumulate() kReduced -> kIdle.
+  // reset() (a failed step) takes any unit to SHARDED / IDLE, dropping its gradient.
+  enum class GradState { kIdle, kAccumulating, kReducing, kReduced };
 
   struct Unit {
     std::string name;
@@ -88,7 +94,7 @@ class FullyShardedDataParallel::Impl {
     GradState grad = GradState::kIdle;
     int pending = 0;       // kAccumulating: parameters whose gradient has not arrived
     WorkPtr reduce_work;   // kReducing: the reduce-scatter (null without a shard group)
-    at::Tensor reduce_out;
+    at::Tensor reduce_out;  // kReducing / kReduced
     std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
     bool ran = false;
   };
@@ -97,8 +103,8 @@ class FullyShardedDataParallel::Impl {
   static const char* state_name(GradState s);
   // Invariant of a transition: the unit must be in one of `from`; anything else is a bug in
   // this file, reported by name instead of surfacing later as a hang or wrong numbers.
-  void expect(const Unit& u, const char* transition, ParamState from) const;
-  void expect(const Unit& u, const char* transition, GradState from) const;
+  void expect(const Unit& u, const char* transition, ParamState from);
+  void expect(const Unit& u, const char* transition, GradState from);
 
   ErrorContext ctx(const char* op) const {
     return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
@@ -115,7 +121,9 @@ class FullyShardedDataParallel::Impl {
   void reshard(Unit& u);
   void arm(Unit& u);
   void launch_reduction(Unit& u);
-  void finish_reduction(Unit& u);
+  void complete_reduction(Unit& u);
+  void accumulate(Unit& u);
+  void reset(Unit& u);
   // unshard() unless already under way, then wait: what a unit needs before it computes.
   void ensure_unsharded(Unit& u);
   // reshard() whatever the state; a gather in flight is waited for first.
@@ -124,6 +132,24 @@ class FullyShardedDataParallel::Impl {
   void pre_backward(int position);
   void on_grad_ready(int index);
   void launch_ready_reductions();
+
+  // Failures. A collective of the step as another rank issues it, for replaying.
+  struct Issued {
+    enum Kind { kAllGather, kReduceScatter, kAllReduce } kind;
+    int unit;
+    bool operator==(const Issued& o) const { return kind == o.kind && unit == o.unit; }
+  };
+  void issued(Issued::Kind kind, const Unit& u);
+  // Issues, with dummy buffers, what another rank whose forward succeeded still issues in this
+  // step: the rest of the forward (from the unit order) and all of backward (from the last
+  // backward's log), so that every rank reaches the end-of-backward agreement.
+  void finish_forward_as_peers_do();
+  void replay(const std::vector<Issued>& ops, size_t from);
+  // Runs one of this file's collective steps; an exception from it means this rank's
+  // collectives may no longer match its peers'.
+  template <typename Fn>
+  void collective(Fn&& fn);
+  void reset_after_failure();
   int index_of(const torch::nn::Module& m) const;
   void record(const std::string& entry) { log_.push_back(entry); }
 
@@ -145,11 +171,20 @@ class FullyShardedDataParallel::Impl {
   size_t next_reduce_ = 0;
   bool armed_ = false;
   Clock::time_point first_reduce_;
+
+  StepSync steps_;
+  bool training_forward_ = false;  // the running forward() has grad mode on
+  bool in_backward_ = false;       // collectives issued now are logged in backward_log_
+  bool schedule_failed_ = false;   // one of this file's collectives or invariants failed
+  std::vector<Issued> backward_log_, last_backward_log_;
 };
 
 FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
                                      CommunicatorPtr comm, FsdpOptions options)
-    : comm_(std::move(comm)), module_(std::move(module)), options_(std::move(options)) {
+    : comm_(std::move(comm)),
+      module_(std::move(module)),
+      options_(std::move(options)),
+      steps_(comm_, "FullyShardedDataParallel", c10::Device(c10::kCPU)) {
   if (!comm_) throw InvalidArgument("FullyShardedDataParallel: communicator is null");
   if (!module_) throw InvalidArgument(ctx("FullyShardedDataParallel()"), "module is null");
   if (options_.limit_all_gathers < 1) {
@@ -300,20 +335,23 @@ const char* FullyShardedDataParallel::Impl::state_name(GradState s) {
     case GradState::kIdle: return "IDLE";
     case GradState::kAccumulating: return "ACCUMULATING";
     case GradState::kReducing: return "REDUCING";
+    case GradState::kReduced: return "REDUCED";
   }
   return "?";
 }
 
 void FullyShardedDataParallel::Impl::expect(const Unit& u, const char* transition,
-                                            ParamState from) const {
+                                            ParamState from) {
   if (u.state == from) return;
+  schedule_failed_ = true;
   throw Error(ctx(transition), fmt::format("internal error: unit '{}' is {}, {} needs {}", u.name,
                                            state_name(u.state), transition, state_name(from)));
 }
 
 void FullyShardedDataParallel::Impl::expect(const Unit& u, const char* transition,
-                                            GradState from) const {
+                                            GradState from) {
   if (u.grad == from) return;
+  schedule_failed_ = true;
   throw Error(ctx(transition), fmt::format("internal error: unit '{}' gradient is {}, {} needs {}",
                                            u.name, state_name(u.grad), transition,
                                            state_name(from)));
@@ -333,7 +371,8 @@ void FullyShardedDataParallel::Impl::unshard(Unit& u, const char* why) {
     u.state = ParamState::kUnsharded;
   } else {
     u.gather_input = input;
-    u.gather_work = shard_comm_->all_gather(u.full, input);
+    collective([&] { u.gather_work = shard_comm_->all_gather(u.full, input); });
+    issued(Issued::kAllGather, u);
     u.state = ParamState::kGathering;
     stats_.bytes_communicated += static_cast<int64_t>(input.nbytes());
     stats_.num_collectives += 1;
@@ -345,7 +384,7 @@ void FullyShardedDataParallel::Impl::wait_unsharded(Unit& u) {
   if (u.state == ParamState::kUnsharded) return;
   expect(u, "wait_unsharded", ParamState::kGathering);
   const auto start = Clock::now();
-  u.gather_work->wait();
+  collective([&] { u.gather_work->wait(); });
   stats_.comm_wait_s += std::chrono::duration<double>(Clock::now() - start).count();
   u.gather_work.reset();
   u.gather_input = at::Tensor();
@@ -390,7 +429,9 @@ void FullyShardedDataParallel::Impl::launch_reduction(Unit& u) {
   reshard_any(u);
   if (shard_comm_) {
     u.reduce_out = at::empty({u.shard_numel}, flat.options());
-    u.reduce_work = shard_comm_->reduce_scatter(u.reduce_out, flat, ReduceOp::kAvg);
+    collective(
+        [&] { u.reduce_work = shard_comm_->reduce_scatter(u.reduce_out, flat, ReduceOp::kAvg); });
+    issued(Issued::kReduceScatter, u);
     stats_.bytes_communicated += static_cast<int64_t>(flat.nbytes());
     stats_.num_collectives += 1;
     record("reduce_scatter:" + u.name);
@@ -400,25 +441,58 @@ void FullyShardedDataParallel::Impl::launch_reduction(Unit& u) {
   u.grad = GradState::kReducing;
 }
 
-void FullyShardedDataParallel::Impl::finish_reduction(Unit& u) {
-  expect(u, "finish_reduction", GradState::kReducing);
+void FullyShardedDataParallel::Impl::complete_reduction(Unit& u) {
+  expect(u, "complete_reduction", GradState::kReducing);
   c10::NoGradGuard no_grad;
-  if (u.reduce_work) u.reduce_work->wait();
+  if (u.reduce_work) collective([&] { u.reduce_work->wait(); });
   u.reduce_work.reset();
   if (replicate_comm_) {
-    replicate_comm_->all_reduce(u.reduce_out, ReduceOp::kAvg)->wait();
+    collective([&] { replicate_comm_->all_reduce(u.reduce_out, ReduceOp::kAvg)->wait(); });
+    issued(Issued::kAllReduce, u);
     stats_.bytes_communicated += static_cast<int64_t>(u.reduce_out.nbytes());
     stats_.num_collectives += 1;
     record("all_reduce:" + u.name);
   }
-  at::Tensor g = u.reduce_out.to(at::kFloat);
+  u.reduce_out = u.reduce_out.to(at::kFloat);
+  u.grad = GradState::kReduced;
+}
+
+void FullyShardedDataParallel::Impl::accumulate(Unit& u) {
+  expect(u, "accumulate", GradState::kReduced);
+  c10::NoGradGuard no_grad;
   if (u.shard.grad().defined()) {
-    u.shard.mutable_grad().add_(g);
+    u.shard.mutable_grad().add_(u.reduce_out);
   } else {
-    u.shard.mutable_grad() = g.clone();
+    u.shard.mutable_grad() = u.reduce_out.clone();
   }
   u.reduce_out = at::Tensor();
   u.grad = GradState::kIdle;
+}
+
+// Any state -> SHARDED / IDLE. Only after the step's collectives completed on this rank (the
+// works are waited for here, never abandoned while they write).
+void FullyShardedDataParallel::Impl::reset(Unit& u) {
+  c10::NoGradGuard no_grad;
+  for (WorkPtr* w : {&u.gather_work, &u.reduce_work}) {
+    if (*w) {
+      try {
+        (*w)->wait();
+      } catch (...) {
+        // it failed: its buffers are no longer written; the failure was reported already
+      }
+      w->reset();
+    }
+  }
+  u.gather_input = at::Tensor();
+  u.reduce_out = at::Tensor();
+  if (u.state != ParamState::kSharded) {
+    u.state = ParamState::kUnsharded;
+    reshard(u);
+  }
+  u.grad = GradState::kIdle;
+  u.pending = 0;
+  for (auto& p : u.params) p.mutable_grad().reset();
+  if (u.shard.grad().defined()) u.shard.mutable_grad().zero_();
 }
 
 // --- the schedule ---
@@ -437,7 +511,8 @@ void FullyShardedDataParallel::Impl::begin_forward() {
   if (t_active != nullptr && t_active != this) {
     throw InvalidArgument(ctx("forward"), "another FSDP forward is running on this thread");
   }
-  t_active = this;
+  steps_.start_step("forward");  // first: a rank that called finish() meets this one here
+  training_forward_ = c10::GradMode::is_enabled();
   {
     std::lock_guard<std::mutex> lock(mu_);
     log_.clear();
@@ -445,9 +520,15 @@ void FullyShardedDataParallel::Impl::begin_forward() {
   }
   forward_order_.clear();
   for (auto& u : units_) u.ran = false;
-  ensure_unsharded(units_[0]);
-  if (options_.forward_prefetch && !recorded_order_.empty())
-    prefetch(recorded_order_[0], " (prefetch)");
+  try {
+    ensure_unsharded(units_[0]);
+    if (options_.forward_prefetch && !recorded_order_.empty())
+      prefetch(recorded_order_[0], " (prefetch)");
+  } catch (...) {
+    std::rethrow_exception(steps_.break_with("forward", "gathering the root unit failed",
+                                             std::current_exception()));
+  }
+  t_active = this;
 }
 
 at::Tensor FullyShardedDataParallel::Impl::unit_call(torch::nn::Module& module,
@@ -472,7 +553,14 @@ at::Tensor FullyShardedDataParallel::Impl::unit_call(torch::nn::Module& module,
   if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
     prefetch(recorded_order_[position + 1], " (prefetch)");
   }
-  at::Tensor out = fn();
+  at::Tensor out;
+  try {
+    out = fn();
+  } catch (...) {
+    // Leave the unit as a peer's successful call would (forward_failed goes on from here).
+    if (frees_after_forward() && u.state == ParamState::kUnsharded) reshard(u);
+    throw;
+  }
   if (frees_after_forward()) reshard(u);
   if (out.defined() && out.requires_grad()) {
     std::weak_ptr<Impl*> weak = token_;
@@ -501,7 +589,7 @@ void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
     const int world = comm_->world_size();
     at::Tensor mine = at::full({1}, digest, at::kLong);
     at::Tensor all = at::empty({world}, at::kLong);
-    comm_->all_gather(all, mine)->wait();
+    collective([&] { comm_->all_gather(all, mine)->wait(); });
     for (int r = 0; r < world; ++r) {
       if (all[r].item<int64_t>() != digest) {
         throw InvalidArgument(ctx("forward"),
@@ -512,9 +600,24 @@ void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
     for (int i : recorded_order_) order_names_.push_back(units_[i].name);
   }
   // Gradients reduce in reverse execution order, the root (whose parameters, e.g. input
-  // embeddings, finish last) at the end.
-  reduce_order_.assign(recorded_order_.rbegin(), recorded_order_.rend());
+  // embeddings, finish last) at the end. A unit run several times (weight sharing) reduces
+  // once: its gradients are complete after the backward of its first use, so it takes the
+  // place of its first use.
+  std::vector<char> seen(units_.size(), 0);
+  reduce_order_.clear();
+  for (int i : recorded_order_) {
+    if (!seen[i]) reduce_order_.push_back(i);
+    seen[i] = 1;
+  }
+  std::reverse(reduce_order_.begin(), reduce_order_.end());
   reduce_order_.push_back(0);
+  if (!training_forward_) {
+    // An evaluation forward has no backward: its outcome is agreed here.
+    if (auto failure = steps_.agree(StepSync::Point::kForwardEnd, "forward", nullptr)) {
+      reset_after_failure();  // as the failing rank does: unit states must match for the next step
+      std::rethrow_exception(failure);
+    }
+  }
 }
 
 // `position`: the unit's place in the forward order, whose output's gradient just arrived.
@@ -552,6 +655,7 @@ void FullyShardedDataParallel::Impl::launch_ready_reductions() {
 }
 
 void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
+  steps_.check_usable("backward");
   if (reduce_order_.empty()) {
     throw InvalidArgument(ctx("backward"), "backward() before any forward() through the strategy");
   }
@@ -559,23 +663,177 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
     std::lock_guard<std::mutex> lock(mu_);
     next_reduce_ = 0;
     for (auto& u : units_) arm(u);
+    backward_log_.clear();
+    in_backward_ = true;
     armed_ = true;
   }
-  loss.backward();
+  std::exception_ptr failure;
+  try {
+    loss.backward();
+  } catch (...) {
+    failure = std::current_exception();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   armed_ = false;
-  // Units whose parameters got no gradient (or no parameters at all) reduce now, in order.
-  for (auto& u : units_) u.pending = 0;
-  launch_ready_reductions();
+  try {
+    if (schedule_failed_) {
+      std::rethrow_exception(failure ? failure
+                                     : std::make_exception_ptr(Error(ctx("backward"), "failed")));
+    }
+    if (failure) {
+      // loss.backward() threw (the user's autograd code, or out of memory): issue what a
+      // peer's backward still issues, then agree.
+      if (comm_->world_size() > 1) {
+        const bool prefix = backward_log_.size() <= last_backward_log_.size() &&
+                            std::equal(backward_log_.begin(), backward_log_.end(),
+                                       last_backward_log_.begin());
+        if (!prefix || last_backward_log_.empty()) {
+          std::rethrow_exception(steps_.break_with(
+              "backward",
+              last_backward_log_.empty()
+                  ? "backward failed before any backward succeeded: the other ranks' remaining "
+                    "collectives are unknown"
+                  : "backward failed after collectives that differ from the last backward's",
+              failure));
+        }
+        replay(last_backward_log_, backward_log_.size());
+      }
+    } else {
+      // Units whose parameters got no gradient (or no parameters at all) reduce now, in order.
+      for (auto& u : units_) u.pending = 0;
+      launch_ready_reductions();
+    }
+  } catch (...) {
+    in_backward_ = false;
+    std::rethrow_exception(steps_.break_with(
+        "backward", "its collectives may no longer match the other ranks'", std::current_exception()));
+  }
   const auto wait_start = Clock::now();
-  for (int index : reduce_order_) finish_reduction(units_[index]);
+  if (!failure) {
+    try {
+      for (int index : reduce_order_) complete_reduction(units_[index]);
+    } catch (...) {
+      in_backward_ = false;
+      std::rethrow_exception(steps_.break_with(
+          "backward",
+          "a gradient collective failed (a rank that failed where it could not keep its "
+          "collectives in step, exited or ran out of data stops issuing them)",
+          std::current_exception()));
+    }
+  }
+  in_backward_ = false;
   const auto done = Clock::now();
+  if (auto outcome = steps_.agree(StepSync::Point::kBackwardEnd, "backward", failure)) {
+    reset_after_failure();
+    std::rethrow_exception(outcome);
+  }
+  last_backward_log_ = backward_log_;
+  for (int index : reduce_order_) accumulate(units_[index]);
   stats_.comm_wait_s += std::chrono::duration<double>(done - wait_start).count();
   stats_.comm_total_s = std::chrono::duration<double>(done - first_reduce_).count();
   for (auto& u : units_) reshard_any(u);  // includes prefetched-but-unused units
 }
 
+// --- failures ---
+
+template <typename Fn>
+void FullyShardedDataParallel::Impl::collective(Fn&& fn) {
+  try {
+    fn();
+  } catch (...) {
+    schedule_failed_ = true;
+    throw;
+  }
+}
+
+void FullyShardedDataParallel::Impl::issued(Issued::Kind kind, const Unit& u) {
+  if (in_backward_) backward_log_.push_back(Issued{kind, static_cast<int>(&u - units_.data())});
+}
+
+void FullyShardedDataParallel::Impl::replay(const std::vector<Issued>& ops, size_t from) {
+  c10::NoGradGuard no_grad;
+  for (size_t k = from; k < ops.size(); ++k) {
+    const Unit& u = units_[ops[k].unit];
+    const auto param = u.full.options().dtype(param_dtype_);
+    const auto reduce = u.full.options().dtype(reduce_dtype_);
+    switch (ops[k].kind) {
+      case Issued::kAllGather:
+        shard_comm_->all_gather(at::empty({u.padded}, param), at::zeros({u.shard_numel}, param))
+            ->wait();
+        record("all_gather:" + u.name + " (replay)");
+        break;
+      case Issued::kReduceScatter:
+        shard_comm_
+            ->reduce_scatter(at::empty({u.shard_numel}, reduce), at::zeros({u.padded}, reduce),
+                             ReduceOp::kAvg)
+            ->wait();
+        record("reduce_scatter:" + u.name + " (replay)");
+        break;
+      case Issued::kAllReduce:
+        replicate_comm_->all_reduce(at::zeros({u.shard_numel}, reduce), ReduceOp::kAvg)->wait();
+        record("all_reduce:" + u.name + " (replay)");
+        break;
+    }
+  }
+}
+
+void FullyShardedDataParallel::Impl::finish_forward_as_peers_do() {
+  // unit_call without fn: the decisions (gather, prefetch, free) depend only on the unit
+  // order and the units' states, which match the peers' at this point.
+  for (size_t position = forward_order_.size(); position < recorded_order_.size(); ++position) {
+    Unit& u = units_[recorded_order_[position]];
+    ensure_unsharded(u);
+    if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
+      prefetch(recorded_order_[position + 1], " (prefetch)");
+    }
+    if (frees_after_forward()) reshard(u);
+  }
+}
+
+void FullyShardedDataParallel::Impl::forward_failed(std::exception_ptr error) {
+  t_active = nullptr;
+  if (steps_.broken()) return;
+  try {
+    if (comm_->world_size() > 1) {
+      if (schedule_failed_) {
+        std::rethrow_exception(steps_.break_with(
+            "forward", "its collectives may no longer match the other ranks'", error));
+      }
+      if (recorded_order_.empty() || (training_forward_ && last_backward_log_.empty())) {
+        std::rethrow_exception(steps_.break_with(
+            "forward",
+            "the first step failed before FSDP recorded its schedule: the other ranks' "
+            "remaining collectives are unknown",
+            error));
+      }
+      finish_forward_as_peers_do();
+      if (training_forward_) replay(last_backward_log_, 0);
+    }
+    steps_.agree(training_forward_ ? StepSync::Point::kBackwardEnd : StepSync::Point::kForwardEnd,
+                 "forward", error);
+  } catch (...) {
+    steps_.break_with("forward", "its collectives may no longer match the other ranks'",
+                      std::current_exception());
+    return;  // broken: the next call throws; forward() rethrows `error` now
+  }
+  reset_after_failure();
+}
+
+void FullyShardedDataParallel::Impl::reset_after_failure() {
+  armed_ = false;
+  in_backward_ = false;
+  next_reduce_ = 0;
+  backward_log_.clear();
+  for (auto& u : units_) reset(u);
+}
+
+void FullyShardedDataParallel::Impl::finish() {
+  if (t_active == this) t_active = nullptr;
+  steps_.finish();
+}
+
 double FullyShardedDataParallel::Impl::grad_norm() {
+  steps_.check_usable("grad_norm");
   double sq = 0;
   for (const auto& u : units_) {
     sq += squared_norm(u.shard.grad());
@@ -602,6 +860,7 @@ int64_t FullyShardedDataParallel::Impl::model_state_bytes(
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::full_state_dict() {
+  steps_.check_usable("full_state_dict");
   c10::NoGradGuard no_grad;
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& u : units_) {
@@ -713,6 +972,10 @@ FullyShardedDataParallel::~FullyShardedDataParallel() = default;
 
 void FullyShardedDataParallel::begin_forward() { impl_->begin_forward(); }
 void FullyShardedDataParallel::end_forward(at::Tensor& output) { impl_->end_forward(output); }
+void FullyShardedDataParallel::forward_failed(std::exception_ptr error) noexcept {
+  impl_->forward_failed(std::move(error));
+}
+void FullyShardedDataParallel::finish() { impl_->finish(); }
 void FullyShardedDataParallel::backward(const at::Tensor& loss) { impl_->backward(loss); }
 std::vector<at::Tensor> FullyShardedDataParallel::parameters() { return impl_->shards_; }
 double FullyShardedDataParallel::grad_norm() { return impl_->grad_norm(); }
