@@ -1,6 +1,12 @@
 #include "data.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -12,22 +18,12 @@
 
 #include <dtrain/errors.h>
 
+#include "checkpoint/crc32c.h"
+
 namespace gpt2 {
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr char kMagic[8] = {'D', 'T', 'R', 'N', 'T', 'O', 'K', '\0'};
-constexpr uint32_t kVersion = 1;
-
-struct CacheHeader {
-  char magic[8];
-  uint32_t version;
-  uint32_t vocab_size;
-  uint64_t num_tokens;
-  uint64_t key;
-};
-static_assert(sizeof(CacheHeader) == 32, "the cache header is a fixed 32-byte layout");
 
 // SplitMix64: tiny, and its output is fixed by its definition, unlike std::shuffle's or
 // std::uniform_int_distribution's, which differ between standard libraries. Every rank and
@@ -88,6 +84,11 @@ std::string read_file(const fs::path& path) {
 std::vector<fs::path> source_files(const fs::path& source) {
   std::error_code ec;
   if (fs::is_regular_file(source, ec)) return {source};
+  if (!fs::exists(source, ec)) {
+    throw dtrain::Error("data source " + source.string() +
+                        " does not exist (scripts/fetch-data.sh fetches the default corpus, "
+                        "data/sotu.txt, and GPT-2's vocabulary)");
+  }
   if (!fs::is_directory(source, ec)) {
     throw dtrain::Error("data source " + source.string() + " is neither a file nor a folder");
   }
@@ -116,6 +117,94 @@ uint64_t cache_key(const fs::path& source, const std::vector<fs::path>& files,
   return fnv1a(key);
 }
 
+constexpr char kMagic[8] = {'D', 'T', 'R', 'N', 'T', 'O', 'K', '\0'};
+
+// The header's fields; on disk they are little-endian at the offsets data.h gives.
+struct CacheHeader {
+  uint32_t version = 0;
+  uint32_t vocab_size = 0;
+  uint64_t num_tokens = 0;
+  uint64_t key = 0;
+  uint32_t tokens_crc = 0;
+};
+
+uint64_t load_le(const unsigned char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void store_le(unsigned char* p, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+uint32_t crc32c(const void* data, size_t n) { return dtrain::checkpoint::crc32c(0, data, n); }
+
+[[noreturn]] void cache_error(TokenCacheError::Kind kind, const std::string& name,
+                              const std::string& problem) {
+  throw TokenCacheError(kind, "token cache " + name + ": " + problem);
+}
+
+// Checks everything the header alone can tell, given the size of the whole file.
+CacheHeader parse_header(const unsigned char* h, uint64_t file_size, uint64_t key,
+                         int64_t vocab_size, const std::string& name) {
+  using Kind = TokenCacheError::Kind;
+  if (file_size < kTokenCacheHeaderBytes) {
+    cache_error(Kind::kCorrupt, name,
+                std::to_string(file_size) + " bytes, shorter than its " +
+                    std::to_string(kTokenCacheHeaderBytes) + "-byte header");
+  }
+  if (std::memcmp(h, kMagic, sizeof(kMagic)) != 0) {
+    cache_error(Kind::kCorrupt, name, "not a token cache (bad magic)");
+  }
+  CacheHeader header;
+  header.version = static_cast<uint32_t>(load_le(h + 8, 4));
+  if (header.version != kTokenCacheVersion) {
+    cache_error(Kind::kStale, name,
+                "format version " + std::to_string(header.version) + ", this build reads " +
+                    std::to_string(kTokenCacheVersion));
+  }
+  const uint32_t header_crc = static_cast<uint32_t>(load_le(h + 36, 4));
+  if (crc32c(h, 36) != header_crc) cache_error(Kind::kCorrupt, name, "header checksum mismatch");
+  header.vocab_size = static_cast<uint32_t>(load_le(h + 12, 4));
+  header.num_tokens = load_le(h + 16, 8);
+  header.key = load_le(h + 24, 8);
+  header.tokens_crc = static_cast<uint32_t>(load_le(h + 32, 4));
+  if (header.vocab_size != static_cast<uint64_t>(vocab_size)) {
+    cache_error(Kind::kStale, name,
+                "written for a vocabulary of " + std::to_string(header.vocab_size) +
+                    " ids, the tokenizer has " + std::to_string(vocab_size));
+  }
+  if (header.key != key) {
+    cache_error(Kind::kStale, name, "written for another source or tokenizer (key differs)");
+  }
+  // Divide rather than multiply: a huge count must not wrap into a matching size.
+  const uint64_t payload = file_size - kTokenCacheHeaderBytes;
+  if (payload % sizeof(uint16_t) != 0 || header.num_tokens != payload / sizeof(uint16_t)) {
+    cache_error(Kind::kCorrupt, name,
+                "the header says " + std::to_string(header.num_tokens) + " tokens, but " +
+                    std::to_string(payload) + " bytes follow it");
+  }
+  return header;
+}
+
+// `tokens` as read from the file (little-endian): checksum, byte order, ids in range.
+void check_tokens(std::vector<uint16_t>& tokens, const CacheHeader& header, int64_t vocab_size,
+                  const std::string& name) {
+  const uint32_t crc = crc32c(tokens.data(), tokens.size() * sizeof(uint16_t));
+  if (crc != header.tokens_crc) {
+    cache_error(TokenCacheError::Kind::kCorrupt, name, "token checksum mismatch");
+  }
+  to_or_from_little_endian(tokens);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] >= vocab_size) {
+      cache_error(TokenCacheError::Kind::kCorrupt, name,
+                  "token " + std::to_string(i) + " is id " + std::to_string(tokens[i]) +
+                      ", outside the vocabulary [0, " + std::to_string(vocab_size) + ")");
+    }
+  }
+}
+
 void check_vocab_fits(const Tokenizer& tokenizer) {
   if (tokenizer.vocab_size() > 65536) {
     throw dtrain::InvalidArgument("tokenizer " + tokenizer.name() + " has " +
@@ -124,60 +213,42 @@ void check_vocab_fits(const Tokenizer& tokenizer) {
   }
 }
 
-// Fills `tokens` and returns true when `path` holds a complete cache for `key`.
-bool read_cache(const fs::path& path, uint64_t key, const Tokenizer& tokenizer,
-                std::vector<uint16_t>& tokens) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  CacheHeader header{};
-  if (!in.read(reinterpret_cast<char*>(&header), sizeof(header))) return false;
-  if (std::memcmp(header.magic, kMagic, sizeof(kMagic)) != 0 || header.version != kVersion ||
-      header.vocab_size != static_cast<uint64_t>(tokenizer.vocab_size()) || header.key != key) {
-    return false;
+std::string errno_text() { return std::strerror(errno); }
+
+// Writes `bytes` to `path` through a unique temporary name and an atomic rename: a reader
+// never sees a partial file. Throws dtrain::Error naming the file and the cause.
+void write_file_atomically(const fs::path& path, const std::string& bytes) {
+  const fs::path tmp = path.string() + ".tmp." + std::to_string(::getpid()) + "." +
+                       std::to_string(std::random_device{}());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) throw dtrain::Error("cannot create " + tmp.string() + ": " + errno_text());
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? errno_text() : "no progress";
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw dtrain::Error("cannot write " + tmp.string() + ": " + why);
+    }
+    done += static_cast<size_t>(n);
   }
-  std::error_code ec;
-  const uintmax_t size = fs::file_size(path, ec);
-  if (ec || size != sizeof(header) + header.num_tokens * sizeof(uint16_t)) return false;
-  tokens.resize(header.num_tokens);
-  if (!in.read(reinterpret_cast<char*>(tokens.data()),
-               static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)))) {
-    return false;
+  if (::close(fd) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    throw dtrain::Error("cannot write " + tmp.string() + ": " + why);
   }
-  to_or_from_little_endian(tokens);
-  return true;
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    throw dtrain::Error("cannot rename " + tmp.string() + " to " + path.string() + ": " + why);
+  }
 }
 
-void write_cache(const fs::path& path, uint64_t key, const Tokenizer& tokenizer,
-                 std::vector<uint16_t> tokens) {
-  CacheHeader header{};
-  std::memcpy(header.magic, kMagic, sizeof(kMagic));
-  header.version = kVersion;
-  header.vocab_size = static_cast<uint32_t>(tokenizer.vocab_size());
-  header.num_tokens = tokens.size();
-  header.key = key;
-  to_or_from_little_endian(tokens);
-
-  // A unique temporary name, then an atomic rename: a reader never sees a partial file.
-  const fs::path tmp =
-      path.string() + ".tmp." + std::to_string(std::random_device{}()) + std::to_string(key % 1000);
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(&header), sizeof(header));
-    out.write(reinterpret_cast<const char*>(tokens.data()),
-              static_cast<std::streamsize>(tokens.size() * sizeof(uint16_t)));
-    out.close();
-    if (!out) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      throw dtrain::Error("cannot write token cache " + tmp.string());
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
-    throw dtrain::Error("cannot rename token cache to " + path.string() + ": " + ec.message());
-  }
+void default_warn(const std::string& message) {
+  std::fprintf(stderr, "warning: %s\n", message.c_str());
+  std::fflush(stderr);
 }
 
 std::vector<int64_t> sequence_order(int64_t n, uint64_t seed, int64_t epoch) {
@@ -225,9 +296,92 @@ std::vector<uint16_t> tokenize_source(const fs::path& source, const Tokenizer& t
   return tokens;
 }
 
+std::string encode_token_cache(const std::vector<uint16_t>& tokens, uint64_t key,
+                               int64_t vocab_size) {
+  if (vocab_size < 1 || vocab_size > 65536) {
+    throw dtrain::InvalidArgument("encode_token_cache: vocab_size " + std::to_string(vocab_size) +
+                                  " is not in [1, 65536]");
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] >= vocab_size) {
+      throw dtrain::InvalidArgument("encode_token_cache: token " + std::to_string(i) + " is id " +
+                                    std::to_string(tokens[i]) + ", outside [0, " +
+                                    std::to_string(vocab_size) + ")");
+    }
+  }
+  std::vector<uint16_t> le = tokens;
+  to_or_from_little_endian(le);
+  const size_t payload = le.size() * sizeof(uint16_t);
+  std::string bytes(kTokenCacheHeaderBytes + payload, '\0');
+  auto* h = reinterpret_cast<unsigned char*>(bytes.data());
+  std::memcpy(h, kMagic, sizeof(kMagic));
+  store_le(h + 8, kTokenCacheVersion, 4);
+  store_le(h + 12, static_cast<uint64_t>(vocab_size), 4);
+  store_le(h + 16, le.size(), 8);
+  store_le(h + 24, key, 8);
+  store_le(h + 32, crc32c(le.data(), payload), 4);
+  store_le(h + 36, crc32c(h, 36), 4);
+  if (payload > 0) std::memcpy(h + kTokenCacheHeaderBytes, le.data(), payload);
+  return bytes;
+}
+
+std::vector<uint16_t> decode_token_cache(std::string_view bytes, uint64_t key, int64_t vocab_size,
+                                         const std::string& name) {
+  const auto* h = reinterpret_cast<const unsigned char*>(bytes.data());
+  const CacheHeader header = parse_header(h, bytes.size(), key, vocab_size, name);
+  std::vector<uint16_t> tokens(header.num_tokens);
+  if (!tokens.empty()) {
+    std::memcpy(tokens.data(), h + kTokenCacheHeaderBytes, tokens.size() * sizeof(uint16_t));
+  }
+  check_tokens(tokens, header, vocab_size, name);
+  return tokens;
+}
+
+// Reads exactly `n` bytes unless the file ends first; returns how many were read.
+size_t read_fully(int fd, void* out, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::read(fd, static_cast<char*>(out) + done, n - done);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    done += static_cast<size_t>(r);
+  }
+  return done;
+}
+
+std::vector<uint16_t> read_token_cache(const fs::path& path, uint64_t key, int64_t vocab_size) {
+  using Kind = TokenCacheError::Kind;
+  const std::string name = path.string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) cache_error(Kind::kStale, name, "cannot open: " + errno_text());
+  // The size of the file opened, not of whatever the path names by now.
+  struct CloseFd {
+    int fd;
+    ~CloseFd() { ::close(fd); }
+  } close_fd{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) cache_error(Kind::kCorrupt, name, "cannot stat: " + errno_text());
+  if (!S_ISREG(st.st_mode)) cache_error(Kind::kCorrupt, name, "not a regular file");
+  const auto file_size = static_cast<uint64_t>(st.st_size);
+  unsigned char h[kTokenCacheHeaderBytes] = {};
+  if (read_fully(fd, h, sizeof(h)) != std::min<uint64_t>(sizeof(h), file_size)) {
+    cache_error(Kind::kCorrupt, name, "cannot read its header: " + errno_text());
+  }
+  const CacheHeader header = parse_header(h, file_size, key, vocab_size, name);
+  std::vector<uint16_t> tokens(header.num_tokens);
+  const size_t payload = tokens.size() * sizeof(uint16_t);
+  if (read_fully(fd, tokens.data(), payload) != payload) {
+    cache_error(Kind::kCorrupt, name,
+                "ended before its " + std::to_string(payload) + " token bytes were read");
+  }
+  check_tokens(tokens, header, vocab_size, name);
+  return tokens;
+}
+
 LoadedTokens load_tokens(const fs::path& source, const Tokenizer& tokenizer,
                          const TokenCacheOptions& options) {
   check_vocab_fits(tokenizer);
+  const auto warn = options.warn ? options.warn : default_warn;
   fs::path name = fs::absolute(source).lexically_normal();
   // "data/sotu/" is the folder "data/sotu", whose cache is data/sotu.gpt2.tokens.
   if (!name.has_filename()) name = name.parent_path();
@@ -237,15 +391,32 @@ LoadedTokens load_tokens(const fs::path& source, const Tokenizer& tokenizer,
   LoadedTokens loaded;
   loaded.cache_path = dir / (name.filename().string() + "." + tokenizer.name() + ".tokens");
 
-  std::vector<uint16_t> tokens;
-  if (!options.force && read_cache(loaded.cache_path, key, tokenizer, tokens)) {
-    loaded.tokens = TokenView(std::move(tokens));
-    loaded.from_cache = true;
-    return loaded;
+  std::error_code ec;
+  if (!options.force && fs::exists(loaded.cache_path, ec)) {
+    try {
+      loaded.tokens = TokenView(read_token_cache(loaded.cache_path, key, tokenizer.vocab_size()));
+      loaded.from_cache = true;
+      return loaded;
+    } catch (const TokenCacheError& e) {
+      // Stale caches are expected (the source changed); a corrupt one is worth a word.
+      if (e.kind() == TokenCacheError::Kind::kCorrupt) {
+        warn(e.cause() + "; tokenizing " + name.string() + " again");
+      }
+    }
   }
-  tokens = tokenize_source(source, tokenizer);
-  if (!options.cache_dir.empty()) fs::create_directories(options.cache_dir);
-  write_cache(loaded.cache_path, key, tokenizer, tokens);
+  std::vector<uint16_t> tokens = tokenize_source(name, tokenizer);
+  // The tokens are in memory: a cache that cannot be stored costs time next run, not this one.
+  try {
+    if (!options.cache_dir.empty()) fs::create_directories(options.cache_dir);
+    write_file_atomically(loaded.cache_path,
+                          encode_token_cache(tokens, key, tokenizer.vocab_size()));
+    loaded.cache_written = true;
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const dtrain::Error*>(&e);
+    warn("cannot store token cache " + loaded.cache_path.string() + " (" +
+         (error != nullptr ? error->cause() : std::string(e.what())) + "); continuing with the " +
+         std::to_string(tokens.size()) + " tokens in memory");
+  }
   loaded.tokens = TokenView(std::move(tokens));
   return loaded;
 }

@@ -1,9 +1,10 @@
 #include "tokenizer.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
-#include <sstream>
 
 #include <dtrain/errors.h>
 
@@ -252,12 +253,52 @@ std::array<uint32_t, 256> byte_to_unicode() {
   return table;
 }
 
-std::string read_file(const std::filesystem::path& path) {
+// A vocabulary file, at most kMaxVocabFileBytes (checked while reading too, for files whose
+// size the file system does not know in advance).
+std::string read_vocab_file(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    throw dtrain::Error("GPT-2 vocabulary file " + path.string() +
+                        " is missing (scripts/fetch-data.sh fetches encoder.json and vocab.bpe "
+                        "into data/gpt2; the byte tokenizer needs no files)");
+  }
+  const auto too_large = [&] {
+    return dtrain::Error(path.string() + ": larger than " + std::to_string(kMaxVocabFileBytes) +
+                         " bytes, the limit for a vocabulary file");
+  };
+  if (const uintmax_t size = std::filesystem::file_size(path, ec);
+      !ec && size > static_cast<uintmax_t>(kMaxVocabFileBytes)) {
+    throw too_large();
+  }
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw dtrain::Error("cannot open " + path.string());
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  return std::move(buffer).str();
+  if (!in) throw dtrain::Error("cannot open " + path.string() + ": " + std::strerror(errno));
+  std::string text;
+  char buffer[1 << 16];
+  while (in) {
+    in.read(buffer, sizeof(buffer));
+    text.append(buffer, static_cast<size_t>(in.gcount()));
+    if (static_cast<int64_t>(text.size()) > kMaxVocabFileBytes) throw too_large();
+  }
+  if (in.bad()) throw dtrain::Error("cannot read " + path.string());
+  return text;
+}
+
+// `text` for a message: at most 40 bytes, control and non-ASCII bytes as \xNN.
+std::string printable(std::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < 40; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      static const char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  if (text.size() > 40) out += "...";
+  return out;
 }
 
 // A reader for exactly what encoder.json is: one flat JSON object of string keys and
@@ -272,7 +313,11 @@ class FlatJsonReader {
     skip_space();
     expect('{');
     skip_space();
-    if (peek() == '}') return;
+    if (peek() == '}') {
+      ++pos_;
+      expect_end();
+      return;
+    }
     while (true) {
       skip_space();
       std::string key = parse_string();
@@ -287,6 +332,7 @@ class FlatJsonReader {
         continue;
       }
       expect('}');
+      expect_end();
       return;
     }
   }
@@ -296,6 +342,10 @@ class FlatJsonReader {
     throw dtrain::Error(source_ + ": malformed JSON at byte " + std::to_string(pos_) + ": " + what);
   }
   char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
+  void expect_end() {
+    skip_space();
+    if (pos_ != s_.size()) fail("unexpected text after the object");
+  }
   void expect(char c) {
     if (peek() != c) fail(std::string("expected '") + c + "'");
     ++pos_;
@@ -377,12 +427,23 @@ class FlatJsonReader {
       }
     }
   }
+  // A token id: digits only, at most kMaxVocabSize - 1 (checked digit by digit, so no
+  // number is too long to read).
   int64_t parse_int() {
     const size_t start = pos_;
-    if (peek() == '-') ++pos_;
-    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
-    if (pos_ == start || (pos_ == start + 1 && s_[start] == '-')) fail("expected an integer");
-    return std::stoll(std::string(s_.substr(start, pos_ - start)));
+    if (peek() == '-') {
+      throw dtrain::Error(source_ + ": negative id at byte " + std::to_string(start));
+    }
+    if (peek() < '0' || peek() > '9') fail("expected an integer");
+    int64_t value = 0;
+    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') {
+      value = value * 10 + (s_[pos_++] - '0');
+      if (value >= kMaxVocabSize) {
+        throw dtrain::Error(source_ + ": id at byte " + std::to_string(start) +
+                            " exceeds the maximum " + std::to_string(kMaxVocabSize - 1));
+      }
+    }
+    return value;
   }
 
   std::string_view s_;
@@ -497,19 +558,47 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& ids) const {
 
 Gpt2Tokenizer::Gpt2Tokenizer(const std::filesystem::path& encoder_json,
                              const std::filesystem::path& vocab_bpe) {
+  const std::string json = read_vocab_file(encoder_json);
+  const std::string bpe = read_vocab_file(vocab_bpe);
+  load(json, bpe, encoder_json.string(), vocab_bpe.string());
+}
+
+std::unique_ptr<Gpt2Tokenizer> Gpt2Tokenizer::from_dir(const std::filesystem::path& dir) {
+  return std::make_unique<Gpt2Tokenizer>(dir / "encoder.json", dir / "vocab.bpe");
+}
+
+std::unique_ptr<Gpt2Tokenizer> Gpt2Tokenizer::from_text(std::string_view encoder_json,
+                                                        std::string_view vocab_bpe,
+                                                        const std::string& encoder_name,
+                                                        const std::string& bpe_name) {
+  const auto fits = [](std::string_view text, const std::string& name) {
+    if (static_cast<int64_t>(text.size()) > kMaxVocabFileBytes) {
+      throw dtrain::Error(name + ": larger than " + std::to_string(kMaxVocabFileBytes) +
+                          " bytes, the limit for a vocabulary file");
+    }
+  };
+  fits(encoder_json, encoder_name);
+  fits(vocab_bpe, bpe_name);
+  std::unique_ptr<Gpt2Tokenizer> tokenizer(new Gpt2Tokenizer());
+  tokenizer->load(encoder_json, vocab_bpe, encoder_name, bpe_name);
+  return tokenizer;
+}
+
+void Gpt2Tokenizer::load(std::string_view json, std::string_view bpe, const std::string& source,
+                         const std::string& bpe_source) {
   const std::array<uint32_t, 256> b2u = byte_to_unicode();
   std::unordered_map<uint32_t, unsigned char> u2b;
   for (uint32_t b = 0; b < 256; ++b) u2b[b2u[b]] = static_cast<unsigned char>(b);
 
   // Token strings are in the byte-to-unicode alphabet; the tokenizer works on raw bytes.
-  const std::string source = encoder_json.string();
-  const auto to_bytes = [&](std::string_view token) {
+  const auto to_bytes = [&](std::string_view token, const std::string& where) {
+    if (token.empty()) throw dtrain::Error(where + ": empty token");
     std::string bytes;
     for (size_t i = 0; i < token.size();) {
       const CodePoint c = decode_utf8(token, i);
       const auto it = u2b.find(c.value);
       if (it == u2b.end()) {
-        throw dtrain::Error(source + ": token \"" + std::string(token) +
+        throw dtrain::Error(where + ": token \"" + printable(token) +
                             "\" has a character outside GPT-2's byte alphabet");
       }
       bytes += static_cast<char>(it->second);
@@ -519,17 +608,26 @@ Gpt2Tokenizer::Gpt2Tokenizer(const std::filesystem::path& encoder_json,
   };
 
   std::unordered_map<std::string, int32_t> ids;  // raw bytes -> id
-  const std::string json = read_file(encoder_json);
+  std::vector<bool> assigned;
   FlatJsonReader(json, source).for_each([&](std::string key, int64_t id) {
-    if (id < 0 || id > INT32_MAX) throw dtrain::Error(source + ": id out of range for " + key);
-    if (static_cast<size_t>(id) >= id_bytes_.size()) id_bytes_.resize(id + 1);
-    std::string bytes = to_bytes(key);
-    ids[bytes] = static_cast<int32_t>(id);
+    // parse_int() bounds id to [0, kMaxVocabSize), so these resizes are bounded too.
+    if (static_cast<size_t>(id) >= id_bytes_.size()) {
+      id_bytes_.resize(id + 1);
+      assigned.resize(id + 1);
+    }
+    if (assigned[id]) {
+      throw dtrain::Error(source + ": id " + std::to_string(id) + " is given to two tokens");
+    }
+    std::string bytes = to_bytes(key, source);
+    if (!ids.emplace(bytes, static_cast<int32_t>(id)).second) {
+      throw dtrain::Error(source + ": token \"" + printable(key) + "\" appears twice");
+    }
+    assigned[id] = true;
     id_bytes_[id] = std::move(bytes);
   });
   if (ids.size() != id_bytes_.size()) {
-    throw dtrain::Error(source + ": ids are not 0.." + std::to_string(ids.size() - 1) +
-                        " without gaps or duplicates");
+    throw dtrain::Error(source + ": ids are not 0.." + std::to_string(id_bytes_.size() - 1) +
+                        " once each (" + std::to_string(ids.size()) + " distinct tokens)");
   }
   for (uint32_t b = 0; b < 256; ++b) {
     const auto it = ids.find(std::string(1, static_cast<char>(b)));
@@ -538,30 +636,32 @@ Gpt2Tokenizer::Gpt2Tokenizer(const std::filesystem::path& encoder_json,
   }
   if (const auto it = ids.find(std::string(kEndOfText)); it != ids.end()) eot_ = it->second;
 
-  const std::string bpe_source = vocab_bpe.string();
-  const std::string bpe = read_file(vocab_bpe);
-  std::istringstream lines(bpe);
-  std::string line;
+  size_t line_start = 0;
+  int64_t line_number = 0;
   int32_t rank = 0;
-  while (std::getline(lines, line)) {
-    if (line.empty() || line.rfind("#version", 0) == 0) continue;
+  while (line_start < bpe.size()) {
+    size_t line_end = bpe.find('\n', line_start);
+    if (line_end == std::string_view::npos) line_end = bpe.size();
+    const std::string_view line = bpe.substr(line_start, line_end - line_start);
+    line_start = line_end + 1;
+    ++line_number;
+    if (line.empty() || line.substr(0, 8) == "#version") continue;
+    const std::string where = bpe_source + ":" + std::to_string(line_number);
     const size_t space = line.find(' ');
-    if (space == std::string::npos) throw dtrain::Error(bpe_source + ": bad merge line: " + line);
-    const std::string left = to_bytes(std::string_view(line).substr(0, space));
-    const std::string right = to_bytes(std::string_view(line).substr(space + 1));
+    if (space == std::string_view::npos) {
+      throw dtrain::Error(where + ": bad merge line \"" + printable(line) + "\"");
+    }
+    const std::string left = to_bytes(line.substr(0, space), where);
+    const std::string right = to_bytes(line.substr(space + 1), where);
     const auto l = ids.find(left);
     const auto r = ids.find(right);
     const auto merged = ids.find(left + right);
     if (l == ids.end() || r == ids.end() || merged == ids.end()) {
-      throw dtrain::Error(bpe_source + ": merge \"" + line + "\" is not in " + source);
+      throw dtrain::Error(where + ": merge \"" + printable(line) + "\" is not in " + source);
     }
     const uint64_t key = static_cast<uint64_t>(l->second) << 32 | static_cast<uint32_t>(r->second);
     merges_.emplace(key, Merge{rank++, merged->second});
   }
-}
-
-std::unique_ptr<Gpt2Tokenizer> Gpt2Tokenizer::from_dir(const std::filesystem::path& dir) {
-  return std::make_unique<Gpt2Tokenizer>(dir / "encoder.json", dir / "vocab.bpe");
 }
 
 void Gpt2Tokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& out) const {
@@ -627,6 +727,12 @@ std::string Gpt2Tokenizer::decode(const std::vector<int32_t>& ids) const {
     text += id_bytes_[id];
   }
   return text;
+}
+
+bool has_gpt2_vocabulary(const std::filesystem::path& dir) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(dir / "encoder.json", ec) &&
+         std::filesystem::is_regular_file(dir / "vocab.bpe", ec);
 }
 
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& name,

@@ -56,6 +56,17 @@ class ByteTokenizer final : public Tokenizer {
   std::string name() const override { return "byte"; }
 };
 
+// GPT-2's vocabulary size (50257 ids, the last one end-of-text): what the model gets when
+// a run needs no tokenizer (--data random) and the vocabulary files are absent.
+inline constexpr int64_t kGpt2VocabSize = 50257;
+
+// Bounds on the vocabulary files, far above GPT-2's (encoder.json 1.0 MB, vocab.bpe 0.5 MB,
+// 50257 ids): a file past them is refused before it is read, so a damaged or hostile file
+// cannot make the reader allocate without bound.
+inline constexpr int64_t kMaxVocabFileBytes = int64_t{64} << 20;
+// Ids in encoder.json are in [0, kMaxVocabSize).
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 20;
+
 // GPT-2's byte-level BPE (50257 ids, end-of-text 50256), identical to OpenAI's encoder.py
 // for ordinary text. The input is split into pieces by GPT-2's pattern
 //   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -64,12 +75,20 @@ class ByteTokenizer final : public Tokenizer {
 class Gpt2Tokenizer final : public Tokenizer {
  public:
   // Loads encoder.json (token string -> id, in GPT-2's byte-to-unicode alphabet) and
-  // vocab.bpe (merges, best first). Throws dtrain::Error when a file is missing or
-  // malformed, or the two disagree.
+  // vocab.bpe (merges, best first). Throws dtrain::Error naming the file and the problem
+  // when a file is missing (the message names scripts/fetch-data.sh), larger than
+  // kMaxVocabFileBytes or malformed: not a flat JSON object of strings to integers, an id
+  // outside [0, kMaxVocabSize), ids that are not 0..n-1 once each, a token outside the byte
+  // alphabet, a byte without a token, a merge of unknown tokens.
   Gpt2Tokenizer(const std::filesystem::path& encoder_json, const std::filesystem::path& vocab_bpe);
   // Loads `dir`/encoder.json and `dir`/vocab.bpe (scripts/fetch-data.sh puts them in
   // <data>/gpt2).
   static std::unique_ptr<Gpt2Tokenizer> from_dir(const std::filesystem::path& dir);
+  // The same from the files' contents; the names only appear in messages.
+  static std::unique_ptr<Gpt2Tokenizer> from_text(std::string_view encoder_json,
+                                                  std::string_view vocab_bpe,
+                                                  const std::string& encoder_name = "encoder.json",
+                                                  const std::string& bpe_name = "vocab.bpe");
 
   std::vector<int32_t> encode(std::string_view text) const override;
   std::string decode(const std::vector<int32_t>& ids) const override;
@@ -82,6 +101,10 @@ class Gpt2Tokenizer final : public Tokenizer {
     int32_t rank;
     int32_t id;
   };
+
+  Gpt2Tokenizer() = default;
+  void load(std::string_view encoder_json, std::string_view vocab_bpe,
+            const std::string& encoder_name, const std::string& bpe_name);
 
   // Appends the BPE ids of one pre-tokenized piece; caller holds cache_mutex_.
   void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
@@ -102,6 +125,9 @@ std::vector<std::string_view> gpt2_split(std::string_view text);
 // How gpt2_split() sees a code point: \p{L}, \p{N}, \s, or none of them.
 enum class CharClass { kLetter, kNumber, kSpace, kOther };
 CharClass classify_code_point(uint32_t code_point);
+
+// True when `dir` holds both of GPT-2's vocabulary files (encoder.json, vocab.bpe).
+bool has_gpt2_vocabulary(const std::filesystem::path& dir);
 
 // A tokenizer by name: "gpt2" (files from `vocab_dir`) or "byte". Throws
 // dtrain::InvalidArgument for another name.

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <dtrain/errors.h>
 
+#include "checkpoint/crc32c.h"
 #include "data.h"
 
 namespace gpt2 {
@@ -64,8 +66,8 @@ TEST(TokenCache, WrittenOnceAndReused) {
   EXPECT_FALSE(first.from_cache);
   EXPECT_EQ(first.cache_path, dir.path() / "corpus.txt.byte.tokens");
   EXPECT_EQ(first.tokens.to_vector(), bytes_of("hello world"));
-  // 32-byte header, then two bytes per token.
-  EXPECT_EQ(fs::file_size(first.cache_path), 32u + 2u * 11u);
+  // 40-byte header, then two bytes per token.
+  EXPECT_EQ(fs::file_size(first.cache_path), 40u + 2u * 11u);
   const auto written_at = fs::last_write_time(first.cache_path);
 
   const LoadedTokens second = load_tokens(source, tok);
@@ -206,6 +208,259 @@ TEST(TokenCache, SotuCorpus) {
   EXPECT_EQ(loaded.tokens.size(), 2074511);
   EXPECT_EQ(cached.tokens.to_vector(), loaded.tokens.to_vector());
 }
+
+// ---- Bad caches, bad folders, missing data -----------------------------------------
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+void put_le(std::string& bytes, size_t offset, uint64_t value, int width) {
+  for (int i = 0; i < width; ++i) bytes[offset + i] = static_cast<char>(value >> (8 * i));
+}
+
+// Recomputes both checksums, so that only the check a test aims at can fail.
+void reseal(std::string& bytes) {
+  const size_t payload = bytes.size() - kTokenCacheHeaderBytes;
+  put_le(bytes, 32, dtrain::checkpoint::crc32c(0, bytes.data() + kTokenCacheHeaderBytes, payload),
+         4);
+  put_le(bytes, 36, dtrain::checkpoint::crc32c(0, bytes.data(), 36), 4);
+}
+
+// A source whose cache load_tokens() wrote; warnings are collected.
+struct CachedSource {
+  TempDir dir;
+  fs::path source = dir.path() / "corpus.txt";
+  fs::path cache;
+  std::vector<std::string> warnings;
+  TokenCacheOptions options;
+
+  explicit CachedSource(const std::string& text) {
+    write_text(source, text);
+    options.warn = [this](const std::string& w) { warnings.push_back(w); };
+    const LoadedTokens loaded = load_tokens(source, ByteTokenizer(), options);
+    EXPECT_TRUE(loaded.cache_written);
+    cache = loaded.cache_path;
+  }
+  LoadedTokens load() { return load_tokens(source, ByteTokenizer(), options); }
+  bool warned(const std::string& part) const {
+    for (const std::string& w : warnings) {
+      if (w.find(cache.string()) != std::string::npos && w.find(part) != std::string::npos) {
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+TEST(TokenCache, FileFormat) {
+  const std::string bytes = encode_token_cache({1, 2, 255}, 0x1234, 256);
+  ASSERT_EQ(bytes.size(), kTokenCacheHeaderBytes + 6);
+  EXPECT_EQ(bytes.substr(0, 8), std::string("DTRNTOK\0", 8));
+  EXPECT_EQ(static_cast<unsigned char>(bytes[8]), kTokenCacheVersion);
+  EXPECT_EQ(decode_token_cache(bytes, 0x1234, 256, "x"), (std::vector<uint16_t>{1, 2, 255}));
+  EXPECT_EQ(decode_token_cache(encode_token_cache({}, 7, 1), 7, 1, "x"), std::vector<uint16_t>{});
+  EXPECT_THROW(encode_token_cache({256}, 0, 256), dtrain::InvalidArgument);
+  EXPECT_THROW(encode_token_cache({0}, 0, 65537), dtrain::InvalidArgument);
+}
+
+// Decoding `bytes` fails with a TokenCacheError of `kind` naming the cache and `problem`.
+void expect_refused(const std::string& bytes, TokenCacheError::Kind kind,
+                    const std::string& problem, uint64_t key = 0x1234, int64_t vocab = 256) {
+  try {
+    decode_token_cache(bytes, key, vocab, "/some/corpus.txt.byte.tokens");
+    ADD_FAILURE() << "accepted; expected: " << problem;
+  } catch (const TokenCacheError& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    EXPECT_NE(std::string(e.what()).find("token cache /some/corpus.txt.byte.tokens: "),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find(problem), std::string::npos) << e.what();
+  }
+}
+
+TEST(TokenCache, DecodeRefusesEveryMalformedFile) {
+  using Kind = TokenCacheError::Kind;
+  const std::string good = encode_token_cache({10, 20, 30, 40}, 0x1234, 256);
+  expect_refused(good.substr(0, 39), Kind::kCorrupt, "shorter than its 40-byte header");
+  expect_refused(good.substr(0, good.size() - 2), Kind::kCorrupt,
+                 "the header says 4 tokens, but 6 bytes follow it");
+  expect_refused(good + "x", Kind::kCorrupt, "the header says 4 tokens, but 9 bytes follow it");
+  std::string bad = good;
+  bad[0] = 'X';
+  expect_refused(bad, Kind::kCorrupt, "not a token cache (bad magic)");
+  bad = good;
+  put_le(bad, 8, 1, 4);
+  expect_refused(bad, Kind::kStale, "format version 1, this build reads 2");
+  bad = good;
+  bad[20] ^= 1;  // a bit of the token count, checksum not updated
+  expect_refused(bad, Kind::kCorrupt, "header checksum mismatch");
+  bad = good;
+  bad[kTokenCacheHeaderBytes] ^= 1;  // a token bit
+  expect_refused(bad, Kind::kCorrupt, "token checksum mismatch");
+  expect_refused(good, Kind::kStale, "written for another source or tokenizer", 0x9999);
+  expect_refused(good, Kind::kStale, "written for a vocabulary of 256 ids, the tokenizer has 300",
+                 0x1234, 300);
+
+  // A valid checksum over an id the vocabulary does not have.
+  bad = good;
+  put_le(bad, kTokenCacheHeaderBytes + 2, 300, 2);
+  reseal(bad);
+  expect_refused(bad, Kind::kCorrupt, "token 1 is id 300, outside the vocabulary [0, 256)");
+
+  // A count that, doubled, wraps to the real size (2^63 + 4 tokens "fit" in 8 bytes).
+  bad = good;
+  put_le(bad, 16, (uint64_t{1} << 63) + 4, 8);
+  reseal(bad);
+  expect_refused(bad, Kind::kCorrupt,
+                 "the header says 9223372036854775812 tokens, but 8 bytes follow it");
+}
+
+// The data pipeline never trains on a damaged cache: it rebuilds it and says why.
+TEST(TokenCache, ChangedTokenIsRebuiltByChecksum) {
+  CachedSource s("hello world");
+  std::string bytes = read_bytes(s.cache);
+  bytes[bytes.size() - 2] = 'D';  // "hello worlD", checksum not updated
+  write_bytes(s.cache, bytes);
+  const LoadedTokens loaded = s.load();
+  EXPECT_FALSE(loaded.from_cache);
+  EXPECT_EQ(loaded.tokens.to_vector(), bytes_of("hello world"));
+  EXPECT_TRUE(s.warned("token checksum mismatch; tokenizing "))
+      << ::testing::PrintToString(s.warnings);
+  EXPECT_TRUE(s.load().from_cache);  // rewritten
+}
+
+TEST(TokenCache, OutOfRangeIdIsRebuiltNamingTheCache) {
+  CachedSource s("hello world");
+  std::string bytes = read_bytes(s.cache);
+  put_le(bytes, bytes.size() - 2, 0xffff, 2);
+  reseal(bytes);
+  write_bytes(s.cache, bytes);
+  const LoadedTokens loaded = s.load();
+  EXPECT_FALSE(loaded.from_cache);
+  EXPECT_EQ(loaded.tokens.to_vector(), bytes_of("hello world"));
+  EXPECT_TRUE(s.warned("is id 65535, outside the vocabulary [0, 256)"))
+      << ::testing::PrintToString(s.warnings);
+  // Read directly, the same cache is refused with a message naming it.
+  write_bytes(s.cache, bytes);
+  uint64_t key = 0;
+  for (int i = 7; i >= 0; --i) key = key << 8 | static_cast<unsigned char>(bytes[24 + i]);
+  try {
+    read_token_cache(s.cache, key, 256);
+    ADD_FAILURE() << "an out-of-range id was accepted";
+  } catch (const TokenCacheError& e) {
+    EXPECT_EQ(e.cause(), "token cache " + s.cache.string() +
+                             ": token 10 is id 65535, outside the vocabulary [0, 256)");
+  }
+}
+
+TEST(TokenCache, HugeTokenCountIsRefusedWithoutWrapping) {
+  CachedSource s("0123456789");
+  std::string bytes = read_bytes(s.cache);
+  put_le(bytes, 16, (uint64_t{1} << 63) + 10, 8);  // 2 * count wraps to the real 20 bytes
+  reseal(bytes);
+  write_bytes(s.cache, bytes);
+  const LoadedTokens loaded = s.load();
+  EXPECT_FALSE(loaded.from_cache);
+  EXPECT_EQ(loaded.tokens.to_vector(), bytes_of("0123456789"));
+  EXPECT_TRUE(s.warned("the header says 9223372036854775818 tokens, but 20 bytes follow it"))
+      << ::testing::PrintToString(s.warnings);
+}
+
+TEST(TokenCache, OldFormatIsRebuiltSilently) {
+  CachedSource s("abc");
+  std::string bytes = read_bytes(s.cache);
+  put_le(bytes, 8, 1, 4);
+  reseal(bytes);
+  write_bytes(s.cache, bytes);
+  EXPECT_FALSE(s.load().from_cache);
+  EXPECT_TRUE(s.warnings.empty()) << ::testing::PrintToString(s.warnings);
+  EXPECT_TRUE(s.load().from_cache);
+}
+
+// A cache that cannot be written costs the next run time, never this run: the tokens are
+// in memory. (Root ignores permissions, so the unwritable places are made unwritable for
+// everyone: a folder where the cache file should go, a cache folder below a regular file.)
+TEST(TokenCache, UnwritableCacheWarnsAndContinues) {
+  TempDir dir;
+  const fs::path source = dir.path() / "corpus.txt";
+  write_text(source, "in memory");
+  std::vector<std::string> warnings;
+  TokenCacheOptions options;
+  options.warn = [&](const std::string& w) { warnings.push_back(w); };
+
+  const fs::path cache = dir.path() / "corpus.txt.byte.tokens";
+  fs::create_directories(cache / "occupied");
+  LoadedTokens loaded = load_tokens(source, ByteTokenizer(), options);
+  EXPECT_EQ(loaded.tokens.to_vector(), bytes_of("in memory"));
+  EXPECT_FALSE(loaded.from_cache);
+  EXPECT_FALSE(loaded.cache_written);
+  // First the folder in the cache's place is named as unusable, then as unwritable.
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_EQ(warnings[0], "token cache " + cache.string() + ": not a regular file; tokenizing " +
+                             source.string() + " again");
+  EXPECT_NE(warnings[1].find("cannot store token cache " + cache.string()), std::string::npos)
+      << warnings[1];
+  EXPECT_NE(warnings[1].find("continuing with the 9 tokens in memory"), std::string::npos)
+      << warnings[1];
+  int entries = 0;  // no temporary file left behind
+  for (const auto& entry : fs::directory_iterator(dir.path())) entries += entry.exists() ? 1 : 0;
+  EXPECT_EQ(entries, 2);
+  fs::remove_all(cache);
+
+  options.cache_dir = source / "cache";  // below a regular file
+  warnings.clear();
+  loaded = load_tokens(source, ByteTokenizer(), options);
+  EXPECT_EQ(loaded.tokens.to_vector(), bytes_of("in memory"));
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("cannot store token cache"), std::string::npos) << warnings[0];
+
+  if (::geteuid() != 0) {  // a read-only data folder, where permissions apply
+    options.cache_dir.clear();
+    warnings.clear();
+    fs::permissions(dir.path(), fs::perms::owner_read | fs::perms::owner_exec);
+    loaded = load_tokens(source, ByteTokenizer(), options);
+    fs::permissions(dir.path(), fs::perms::owner_all);
+    EXPECT_EQ(loaded.tokens.to_vector(), bytes_of("in memory"));
+    EXPECT_EQ(warnings.size(), 1u);
+  }
+}
+
+TEST(TokenCache, MissingSourceNamesTheFetchScript) {
+  TempDir dir;
+  try {
+    load_tokens(dir.path() / "sotu.txt", ByteTokenizer());
+    ADD_FAILURE() << "a missing source was accepted";
+  } catch (const dtrain::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find((dir.path() / "sotu.txt").string() + " does not exist"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("scripts/fetch-data.sh"), std::string::npos) << what;
+  }
+}
+
+#ifdef GPT2_TRAIN_BIN
+// --data random trains without GPT-2's vocabulary files (the model gets GPT-2's 50257 ids).
+TEST(RandomTokens, TrainerNeedsNoVocabulary) {
+  TempDir dir;
+  const std::string cmd =
+      std::string("OMP_NUM_THREADS=1 DTRAIN_DATA_DIR=") + dir.path().string() + " " +
+      GPT2_TRAIN_BIN + " --data random --vocab_dir " + (dir.path() / "no-vocab").string() +
+      " --layers 1 --heads 2 --dim 32 --ctx 16 --batch 2 --steps 2 --max_tokens 2048"
+      " --val_batches 1 --sample_tokens 8 --blas_kernel keep --log_every 1 >" +
+      (dir.path() / "log").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  std::ifstream log(dir.path() / "log");
+  const std::string output{std::istreambuf_iterator<char>(log), std::istreambuf_iterator<char>()};
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_NE(output.find("2048 random tokens"), std::string::npos) << output;
+}
+#endif
 
 TEST(RandomTokens, DeterministicAndInRange) {
   const TokenView a = make_random_tokens(10000, 50257, 7);

@@ -230,6 +230,132 @@ TEST(Gpt2TokenizerFiles, ReadsEscapesAndMerges) {
   EXPECT_THROW(Gpt2Tokenizer::from_dir(dir), dtrain::Error);
 }
 
+// encoder.json text for GPT-2's 256 byte tokens (ids 0..255), then `extra` entries.
+std::string byte_vocabulary_json(const std::string& extra) {
+  std::string json = "{\n";
+  int next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
+    const int cp = printable ? b : next++;
+    char key[16];
+    if (cp == '"' || cp == '\\') {
+      std::snprintf(key, sizeof(key), "\\%c", cp);
+    } else if (cp < 0x80) {
+      std::snprintf(key, sizeof(key), "%c", cp);
+    } else {
+      std::snprintf(key, sizeof(key), "\\u%04X", cp);
+    }
+    json += "  \"" + std::string(key) + "\": " + std::to_string(b) + (b < 255 ? ",\n" : "");
+  }
+  return json + extra + "}\n";
+}
+
+// Loading `json` and `bpe` as files in a fresh folder throws a dtrain::Error whose message
+// contains every string of `parts` (the placeholder {dir} is the folder).
+void expect_files_refused(const std::string& json, const std::string& bpe,
+                          std::vector<std::string> parts) {
+  const fs::path dir = fs::temp_directory_path() / ("gpt2_tok_bad_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "encoder.json", std::ios::binary) << json;
+  std::ofstream(dir / "vocab.bpe", std::ios::binary) << bpe;
+  try {
+    Gpt2Tokenizer::from_dir(dir);
+    ADD_FAILURE() << "accepted; expected: " << parts.back();
+  } catch (const dtrain::Error& e) {
+    for (std::string part : parts) {
+      if (const size_t at = part.find("{dir}"); at != std::string::npos) {
+        part.replace(at, 5, dir.string());
+      }
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a dtrain::Error: " << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Gpt2TokenizerFiles, HugeIdIsRefusedNamingTheFile) {
+  // Past int64 (std::stoll would throw std::out_of_range), and past the documented bound.
+  expect_files_refused(byte_vocabulary_json(", \"\\u0120x\": 123456789012345678901234567890"), "",
+                       {"{dir}/encoder.json: id at byte", "exceeds the maximum 1048575"});
+  expect_files_refused(byte_vocabulary_json(", \"\\u0120x\": 1048576"), "",
+                       {"{dir}/encoder.json: id at byte", "exceeds the maximum 1048575"});
+  expect_files_refused(byte_vocabulary_json(", \"\\u0120x\": -1"), "",
+                       {"{dir}/encoder.json: negative id at byte"});
+  // The largest allowed id still needs every id below it.
+  expect_files_refused(byte_vocabulary_json(", \"\\u0120x\": 1048575"), "",
+                       {"{dir}/encoder.json: ids are not 0..1048575 once each"});
+}
+
+TEST(Gpt2TokenizerFiles, MalformedFilesAreRefusedNamingTheFile) {
+  const std::string good = byte_vocabulary_json(", \"\\u0120t\": 256");
+  expect_files_refused(good + "x", "", {"{dir}/encoder.json: malformed JSON"});
+  expect_files_refused(byte_vocabulary_json(", \"\": 256"), "",
+                       {"{dir}/encoder.json: empty token"});
+  expect_files_refused(byte_vocabulary_json(", \"a\\u0001\": 256"), "",
+                       {"{dir}/encoder.json: token \"a\\x01\" has a character outside"});
+  expect_files_refused(byte_vocabulary_json(", \"ab\": 300"), "",
+                       {"{dir}/encoder.json: ids are not 0..300 once each"});
+  // A token or an id twice: the map from tokens to ids must be one to one.
+  expect_files_refused(byte_vocabulary_json(", \"ab\": 256, \"ab\": 257"), "",
+                       {"{dir}/encoder.json: token \"ab\" appears twice"});
+  expect_files_refused(byte_vocabulary_json(", \"ab\": 97"), "",
+                       {"{dir}/encoder.json: id 97 is given to two tokens"});
+  expect_files_refused(good, "#version: 0.2\n\xc4\xa0 t\nnospace\n",
+                       {"{dir}/vocab.bpe:3: bad merge line \"nospace\""});
+  expect_files_refused(good, "\xc4\xa0 x\n",
+                       {"{dir}/vocab.bpe:1: merge", "is not in {dir}/encoder.json"});
+  expect_files_refused(good, "\xc4\xa0 t\r\n", {"{dir}/vocab.bpe:1: token \"t\\x0d\""});
+}
+
+TEST(Gpt2TokenizerFiles, OversizedFileIsRefusedBeforeParsing) {
+  const fs::path dir = fs::temp_directory_path() / ("gpt2_tok_big_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "encoder.json") << byte_vocabulary_json("");
+  std::ofstream(dir / "vocab.bpe") << "";
+  fs::resize_file(dir / "vocab.bpe", kMaxVocabFileBytes + 1);  // sparse: no disk used
+  try {
+    Gpt2Tokenizer::from_dir(dir);
+    ADD_FAILURE() << "an oversized vocab.bpe was accepted";
+  } catch (const dtrain::Error& e) {
+    EXPECT_EQ(e.cause(), (dir / "vocab.bpe").string() +
+                             ": larger than 67108864 bytes, the limit for a "
+                             "vocabulary file");
+  }
+  fs::remove_all(dir);
+  EXPECT_THROW(Gpt2Tokenizer::from_text(std::string(kMaxVocabFileBytes + 1, ' '), ""),
+               dtrain::Error);
+}
+
+TEST(Gpt2TokenizerFiles, MissingVocabularyNamesTheFetchScript) {
+  const fs::path dir = fs::temp_directory_path() / ("gpt2_tok_none_" + std::to_string(::getpid()));
+  EXPECT_FALSE(has_gpt2_vocabulary(dir));
+  try {
+    make_tokenizer("gpt2", dir);
+    ADD_FAILURE() << "a missing vocabulary was accepted";
+  } catch (const dtrain::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("GPT-2 vocabulary file " + (dir / "encoder.json").string() + " is missing"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("scripts/fetch-data.sh"), std::string::npos) << what;
+  }
+}
+
+TEST(Gpt2TokenizerFiles, FromTextEqualsFromFiles) {
+  const std::string json = byte_vocabulary_json(", \"\\u0120t\": 256, \"<|endoftext|>\": 257");
+  const std::unique_ptr<Gpt2Tokenizer> tok = Gpt2Tokenizer::from_text(json, "\xc4\xa0 t\n");
+  EXPECT_EQ(tok->vocab_size(), 258);
+  EXPECT_EQ(tok->eot(), 257);
+  EXPECT_EQ(tok->encode(" to"), (std::vector<int32_t>{256, 'o'}));
+  try {
+    Gpt2Tokenizer::from_text(json, "\xc4\xa0 q\n", "enc", "merges");
+    ADD_FAILURE() << "an unknown merge was accepted";
+  } catch (const dtrain::Error& e) {
+    EXPECT_EQ(e.cause(), "merges:1: merge \"\\xc4\\xa0 q\" is not in enc");
+  }
+}
+
 TEST(Gpt2Split, MatchesReferencePattern) {
   using Pieces = std::vector<std::string_view>;
   EXPECT_EQ(
