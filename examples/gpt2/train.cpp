@@ -551,17 +551,21 @@ void Trainer::setup_device_and_comm() {
 void Trainer::setup_data() {
   const fs::path dir = data_dir();
   const fs::path vocab_dir = c_.vocab_dir.empty() ? dir / "gpt2" : fs::path(c_.vocab_dir);
-  tokenizer_ = make_tokenizer(c_.tokenizer, vocab_dir);
-  const int64_t vocab = c_.vocab > 0 ? c_.vocab : tokenizer_->vocab_size();
-  check(vocab >= tokenizer_->vocab_size(),
-        fmt::format("--vocab {} is smaller than the {} tokenizer's {} ids", vocab,
-                    tokenizer_->name(), tokenizer_->vocab_size()));
+  // Random tokens need no vocabulary: without GPT-2's files the model gets GPT-2's size and
+  // the run ends without a sample.
+  if (c_.data != "random" || c_.tokenizer != "gpt2" || has_gpt2_vocabulary(vocab_dir)) {
+    tokenizer_ = make_tokenizer(c_.tokenizer, vocab_dir);
+  }
+  const int64_t ids = tokenizer_ ? tokenizer_->vocab_size() : kGpt2VocabSize;
+  const int64_t vocab = c_.vocab > 0 ? c_.vocab : ids;
+  check(vocab >= ids, fmt::format("--vocab {} is smaller than the {} tokenizer's {} ids", vocab,
+                                  c_.tokenizer, ids));
   c_.gpt.vocab_size = vocab;
 
   TokenView tokens;
   if (c_.data == "random") {
-    tokens = make_random_tokens(c_.max_tokens > 0 ? c_.max_tokens : int64_t{1} << 20,
-                                tokenizer_->vocab_size(), static_cast<uint64_t>(c_.seed));
+    tokens = make_random_tokens(c_.max_tokens > 0 ? c_.max_tokens : int64_t{1} << 20, ids,
+                                static_cast<uint64_t>(c_.seed));
     say(fmt::format("data: {} random tokens", tokens.size()));
   } else {
     const fs::path source = c_.data.empty() ? dir / "sotu.txt" : fs::path(c_.data);
@@ -751,7 +755,9 @@ void Trainer::generate_sample() {
       if (at::Tensor* p = params.find(name)) p->copy_(t);
     }
   }
-  if (!rank0()) return;
+  // Only rank 0 decodes, after every rank took part in the gather above: whether a
+  // vocabulary exists (--data random needs none) may differ between nodes.
+  if (!rank0() || !tokenizer_) return;
   c10::NoGradGuard no_grad;
   std::vector<int32_t> ids = tokenizer_->encode(c_.prompt);
   if (ids.empty()) ids.push_back(tokenizer_->eot() >= 0 ? tokenizer_->eot() : 0);
