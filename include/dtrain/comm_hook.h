@@ -47,11 +47,6 @@ class CommHook {
   virtual std::string name() const = 0;
 };
 
-// A Work that completes when `work` completes and `continuation` has run. The continuation
-// runs once, on the thread that first waits (or polls is_completed() to true), after the
-// inner work succeeded; its exception becomes the Work's failure.
-WorkPtr then(WorkPtr work, std::function<void()> continuation);
-
 // All-reduce average in the gradient's dtype (the default).
 std::shared_ptr<CommHook> allreduce_hook();
 // Casts to fp16 / bf16, all-reduces (sum), divides by world size and casts back: half the

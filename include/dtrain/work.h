@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -45,5 +46,11 @@ class Work {
 };
 
 using WorkPtr = std::shared_ptr<Work>;
+
+// A Work that completes when `work` completes and `continuation` has run. The continuation
+// runs once, on the thread that first waits (or polls is_completed() to true), after the
+// inner work succeeded; its exception becomes the Work's failure. Throws InvalidArgument if
+// `work` is null.
+WorkPtr then(WorkPtr work, std::function<void()> continuation);
 
 }  // namespace dtrain

@@ -1,7 +1,7 @@
 #include <mutex>
 
-#include "dtrain/comm_hook.h"
 #include "dtrain/errors.h"
+#include "dtrain/work.h"
 
 namespace dtrain {
 namespace {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/comm_hook.h"
+#include "dtrain/work.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
