@@ -5,6 +5,18 @@
 //  * Calls execute in the order they were issued; every rank must issue the same
 //    collectives, with the same sizes and dtypes, in the same order. Each call gets the
 //    next sequence number; errors name it so a divergence can be located.
+//  * Consistency (Gloo): before a collective moves data, the ranks exchange a small header
+//    describing it (operation, dtype, element count, reduction, root; with
+//    Consistency::kFingerprint also the shape). Ranks that disagree all throw
+//    dtrain::DesyncError from Work::wait(), naming both sides, before any data moved: never
+//    an abort, a hang or wrong numbers. NCCL does not check yet: a mismatch there ends in
+//    its watchdog's timeout.
+//  * Thread safety: a communicator may be called from several threads. Taking the sequence
+//    number and queueing the call are one atomic step, so on every rank the numbering is
+//    the execution order. Which of two racing threads goes first is up to the scheduler,
+//    however, and may differ between ranks: racing calls that differ are refused with
+//    DesyncError, racing calls that look alike (same op, dtype, size) may be paired with
+//    each other's data. Issue collectives from one thread, or order the threads yourself.
 //  * Tensors must be dense and contiguous, on the backend's device (CPU for Gloo, CUDA
 //    for NCCL). Violations throw dtrain::InvalidArgument synchronously.
 //  * Every call is bounded by a timeout (CommunicatorOptions::timeout unless the call's
@@ -30,8 +42,20 @@ enum class ReduceOp { kSum, kAvg, kMin, kMax };
 
 enum class Backend { kGloo, kNccl };
 
+// What ranks compare before every collective (see the contract above). Both levels cost one
+// header message to every peer per collective; kFingerprint compares more of it.
+enum class Consistency {
+  // Operation, dtype, element count, reduction and root: everything whose mismatch would
+  // abort, hang or silently corrupt the result. Always on.
+  kCheap,
+  // Also the full shape ([2, 512] and [1024] differ), to find where ranks' programs diverge.
+  // DTRAIN_COLLECTIVE_CHECK=fingerprint turns it on through LaunchInfo.
+  kFingerprint,
+};
+
 const char* to_string(ReduceOp op);
 const char* to_string(Backend backend);
+const char* to_string(Consistency consistency);
 
 // Per-call options.
 struct CallOptions {
@@ -62,6 +86,9 @@ struct CommunicatorOptions {
   int device_index = -1;
   // Key prefix in the store; two communicators on one store need different names.
   std::string name = "default";
+  // How much of each collective ranks compare before moving data. Ranks may differ: the
+  // strictest level any of them asks for applies to all.
+  Consistency consistency = Consistency::kCheap;
 };
 
 class Communicator {

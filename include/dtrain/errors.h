@@ -56,6 +56,17 @@ class TimeoutError : public CommError {
   using CommError::CommError;
 };
 
+// Ranks issued different collectives at the same sequence number (another operation, size,
+// dtype, reduction or root; in fingerprint mode also another shape). Raised on every rank,
+// before any data moved, naming both sides, e.g. "rank 0 issued all_reduce #17
+// float32[1024] sum; rank 1 issued all_reduce #17 float32[512] sum". A program bug, not a
+// transport failure, but it breaks the communicator like one: ranks no longer agree on
+// which call comes next.
+class DesyncError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 // A training step failed on another rank (its exception in forward, backward or a
 // communication hook). Every rank throws from the same step, this one with this error naming
 // the failing rank and its message; the step's gradients were dropped (zeroed) and the

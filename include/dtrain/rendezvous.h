@@ -12,6 +12,9 @@
 //      SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE.
 //   4. none: one process (rank 0 of 1).
 //
+// DTRAIN_COLLECTIVE_CHECK=fingerprint (or cheap, the default) sets the consistency check of
+// every communicator the process creates through communicator_options (see Consistency).
+//
 // Where rank 0 serves the TCP store: MASTER_ADDR and MASTER_PORT under every convention.
 // Defaults when unset: under Slurm, the first host of SLURM_STEP_NODELIST (else
 // SLURM_JOB_NODELIST) and port 29500 + SLURM_JOB_ID % 1000 (jobs sharing a host differ);
@@ -51,6 +54,9 @@ struct LaunchInfo {
   // store's clients; empty: none.
   std::string store_token;
   LaunchSource source = LaunchSource::kNone;
+  // DTRAIN_COLLECTIVE_CHECK: communicator_options raises CommunicatorOptions::consistency to
+  // this level, never lowers it.
+  Consistency consistency = Consistency::kCheap;
 
   // Reads this process's environment by the rules above. Throws dtrain::InvalidArgument
   // naming the variable when one is malformed, missing from an otherwise present
@@ -63,7 +69,8 @@ struct LaunchInfo {
   void validate() const;
 
   // `options` with what this launch decides filled in where the caller left it unset: the
-  // listening interface (socket_interface) and, for NCCL, the device (local_rank).
+  // listening interface (socket_interface) and, for NCCL, the device (local_rank); and the
+  // consistency level raised to `consistency`.
   CommunicatorOptions communicator_options(CommunicatorOptions options = {}) const;
 };
 

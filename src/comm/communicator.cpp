@@ -2,11 +2,12 @@
 
 #include <fmt/format.h>
 
-#include "comm/gloo/gloo_communicator.h"
+#include "comm/front_end.h"
+#include "comm/gloo/gloo_transport.h"
 #include "dtrain/config.h"
 #include "dtrain/errors.h"
 #if DTRAIN_HAS_NCCL
-#include "comm/nccl/nccl_communicator.h"
+#include "comm/nccl/nccl_transport.h"
 #endif
 
 namespace dtrain {
@@ -35,6 +36,16 @@ const char* to_string(Backend backend) {
   return "?";
 }
 
+const char* to_string(Consistency consistency) {
+  switch (consistency) {
+    case Consistency::kCheap:
+      return "cheap";
+    case Consistency::kFingerprint:
+      return "fingerprint";
+  }
+  return "?";
+}
+
 bool is_backend_available(Backend backend) {
   switch (backend) {
     case Backend::kGloo:
@@ -53,20 +64,29 @@ CommunicatorPtr make_communicator(std::shared_ptr<Store> store, int rank, int wo
   if (rank < 0 || rank >= world_size)
     throw InvalidArgument(ctx, fmt::format("rank {} is not in [0, {})", rank, world_size));
   if (options.timeout.count() <= 0) throw InvalidArgument(ctx, "timeout must be positive");
+  if (options.consistency != Consistency::kCheap &&
+      options.consistency != Consistency::kFingerprint) {
+    throw InvalidArgument(ctx, "unknown consistency level");
+  }
+  auto failure = std::make_shared<detail::StickyFailure>();
+  std::unique_ptr<detail::Transport> transport;
   switch (options.backend) {
     case Backend::kGloo:
-      return std::make_shared<gloo_backend::GlooCommunicator>(std::move(store), rank, world_size,
-                                                              options);
+      transport = gloo_backend::make_gloo_transport(store, rank, world_size, options, failure);
+      break;
     case Backend::kNccl:
 #if DTRAIN_HAS_NCCL
-      return nccl_backend::make_nccl_communicator(std::move(store), rank, world_size, options);
+      transport = nccl_backend::make_nccl_transport(store, rank, world_size, options, failure);
+      break;
 #else
       throw InvalidArgument(ctx,
                             "this dtrain was built without NCCL (DTRAIN_WITH_NCCL=OFF or "
                             "CUDA/NCCL not found at configure time)");
 #endif
   }
-  throw InvalidArgument(ctx, "unknown backend");
+  if (!transport) throw InvalidArgument(ctx, "unknown backend");
+  return std::make_shared<detail::FrontEnd>(rank, world_size, options, std::move(failure),
+                                            std::move(transport));
 }
 
 }  // namespace dtrain

@@ -71,7 +71,12 @@ void SerialExecutor::loop() {
       task = std::move(queue_.front());
       queue_.pop_front();
     }
-    task();
+    try {
+      task();
+    } catch (...) {
+      // Tasks report failures through their own Work; an exception escaping one (out of
+      // memory while failing it) must not terminate the process from this thread.
+    }
   }
 }
 

@@ -43,7 +43,8 @@ class CpuWork final : public Work {
 };
 
 // Runs submitted tasks one at a time, in submission order, on its own thread. The
-// destructor runs what is still queued, then joins.
+// destructor runs what is still queued, then joins. Tasks report their failures through
+// their Work; whatever escapes a task anyway is dropped, never left to terminate.
 class SerialExecutor {
  public:
   SerialExecutor();

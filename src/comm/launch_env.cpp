@@ -243,6 +243,13 @@ LaunchInfo LaunchInfo::from_env(const std::map<std::string, std::string>& env) {
   if (const std::string* a = lookup(env, "MASTER_ADDR")) info.master_addr = *a;
   info.master_port = get_int(env, "MASTER_PORT", info.master_port);
   if (!read_torchrun(env, info) && !read_open_mpi(env, info)) read_slurm(env, info);
+  if (const std::string* check = lookup(env, "DTRAIN_COLLECTIVE_CHECK")) {
+    if (*check == "fingerprint") {
+      info.consistency = Consistency::kFingerprint;
+    } else if (*check != "cheap") {
+      fail(fmt::format("DTRAIN_COLLECTIVE_CHECK='{}': expected cheap or fingerprint", *check));
+    }
+  }
   if (const std::string* ifname = lookup(env, "GLOO_SOCKET_IFNAME")) {
     if (ifname->find(',') != std::string::npos)
       fail(fmt::format("GLOO_SOCKET_IFNAME='{}': dtrain listens on one interface; name one",

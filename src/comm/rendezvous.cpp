@@ -130,6 +130,7 @@ CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options
   if (options.interface.empty() && options.hostname.empty()) options.interface = socket_interface;
   if (options.device_index < 0 && options.backend == Backend::kNccl)
     options.device_index = local_rank;
+  if (consistency > options.consistency) options.consistency = consistency;
   return options;
 }
 

@@ -9,8 +9,9 @@
 // save_checkpoint under FSDP on every rank; DTRAIN_TEST_PAUSE_RANK picks the rank that
 // stops, creating out_path/../paused.<rank>), "listen" (hold TCP port <timeout_ms> on every interface,
 // accepting and never answering, for 30 s: a program other than the job's store on the
-// master's port). Exit codes: 0 ok, 3
-// dtrain::CommError, 4 dtrain::TimeoutError, 1 other.
+// master's port), "desync_size" (rank r all-reduces 1024 >> r floats: ranks disagree).
+// Exit codes: 0 ok, 3 dtrain::CommError, 4 dtrain::TimeoutError, 5 dtrain::DesyncError,
+// 1 other.
 #include <ATen/ATen.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -86,6 +87,9 @@ int main(int argc, char** argv) {
     auto comm = dtrain::init_communicator(info, o);
     if (scenario == "collectives") {
       collectives(*comm);
+    } else if (scenario == "desync_size") {
+      at::Tensor t = at::ones({1024 >> info.rank});
+      comm->all_reduce(t)->wait();
     } else if (scenario == "ddp" && argc == 4) {
       using namespace dtrain::testing;
       at::set_num_threads(1);
@@ -115,6 +119,9 @@ int main(int argc, char** argv) {
     }
     std::printf("rank %d ok\n", info.rank);
     return 0;
+  } catch (const dtrain::DesyncError& e) {
+    std::printf("DesyncError: %s\n", e.what());
+    return 5;
   } catch (const dtrain::TimeoutError& e) {
     std::printf("TimeoutError: %s\n", e.what());
     return 4;

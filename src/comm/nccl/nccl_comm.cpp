@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "comm/nccl/current_stream.h"
+#include "comm/transport.h"
 
 namespace dtrain::nccl_backend {
 namespace {
@@ -11,26 +12,16 @@ namespace {
 // tensors are released and before an NCCL error or a timeout is acted on.
 constexpr std::chrono::milliseconds kWatchdogPeriod{10};
 
-// A CommError for a call that fails because of `first`, an earlier failure.
-std::exception_ptr after_failure(const ErrorContext& ctx, const std::exception_ptr& first,
-                                 const char* what) {
-  try {
-    std::rethrow_exception(first);
-  } catch (const Error& e) {
-    const ErrorContext& at = e.context();
-    const std::string where = at.sequence >= 0 ? fmt::format("{} #{}", at.op, at.sequence) : at.op;
-    return std::make_exception_ptr(
-        CommError(ctx, fmt::format("{}, at {}: {}", what, where, e.cause())));
-  } catch (const std::exception& e) {
-    return std::make_exception_ptr(CommError(ctx, fmt::format("{}: {}", what, e.what())));
-  }
-}
-
 }  // namespace
 
 NcclComm::NcclComm(const ncclUniqueId& id, int rank, int world_size, int device,
-                   Clock::time_point join_deadline, std::chrono::milliseconds teardown_timeout)
-    : rank_(rank), world_size_(world_size), device_(device), teardown_timeout_(teardown_timeout) {
+                   Clock::time_point join_deadline, std::chrono::milliseconds teardown_timeout,
+                   std::shared_ptr<detail::StickyFailure> failure)
+    : rank_(rank),
+      world_size_(world_size),
+      device_(device),
+      teardown_timeout_(teardown_timeout),
+      failure_(std::move(failure)) {
   const ErrorContext ctx = context("connect", -1);
   use_device(device_, ctx);
   cudaStream_t stream = nullptr;
@@ -105,21 +96,15 @@ ErrorContext NcclComm::context(const char* op, int64_t seq) const {
   return ErrorContext{rank_, world_size_, op, seq};
 }
 
-WorkPtr NcclComm::launch(const char* op, std::vector<at::Tensor> tensors,
+WorkPtr NcclComm::launch(const ErrorContext& ctx, std::vector<at::Tensor> tensors,
                          std::chrono::milliseconds timeout, bool blocks_host, const Call& call) {
   std::lock_guard<std::mutex> launch_lock(launch_mu_);
-  const uint64_t seq = seq_.fetch_add(1);
-  const ErrorContext ctx = context(op, static_cast<int64_t>(seq));
-  // Same host bound as Gloo's works: the call's own timeout plus as long again for queueing.
-  auto work = std::make_shared<NcclWork>(seq, op, ctx, device_, blocks_host,
-                                         2 * timeout + std::chrono::seconds(1), std::move(tensors));
-  std::exception_ptr earlier;
-  {
-    std::lock_guard<std::mutex> lock(queue_mu_);
-    earlier = broken_;
-  }
-  if (earlier) {
-    work->fail(after_failure(ctx, earlier, "communicator failed earlier"));
+  // Same host bound as Gloo's works.
+  auto work =
+      std::make_shared<NcclWork>(static_cast<uint64_t>(ctx.sequence), ctx.op, ctx, device_,
+                                 blocks_host, detail::host_wait_bound(timeout), std::move(tensors));
+  if (auto earlier = failure_->check(ctx)) {
+    work->fail(earlier);
     return work;
   }
   try {
@@ -155,7 +140,7 @@ void NcclComm::break_locked(const std::exception_ptr& error, NcclWork* origin) {
   std::vector<std::shared_ptr<NcclWork>> unfinished;
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
-    if (!broken_) broken_ = error;
+    failure_->record(error);
     for (InFlight& f : in_flight_) {
       if (!f.work->finished()) unfinished.push_back(f.work);
     }
@@ -165,8 +150,8 @@ void NcclComm::break_locked(const std::exception_ptr& error, NcclWork* origin) {
   // their tensors only once NCCL's kernels have returned.
   for (const auto& work : unfinished) {
     if (work.get() == origin) continue;
-    work->fail(
-        after_failure(work->context(), error, "communicator aborted after an earlier failure"));
+    work->fail(detail::after_failure(work->context(), error,
+                                     "communicator aborted after an earlier failure"));
   }
   if (origin != nullptr) origin->fail(error);
   if (comm_ != nullptr) {
@@ -228,7 +213,7 @@ void NcclComm::watch_once() {
       retired.push_back(std::move(in_flight_.front().work));
       in_flight_.pop_front();
     }
-    if (in_flight_.empty() || broken_) {
+    if (in_flight_.empty() || failure_->first()) {
       // Broken: the works stay only until their kernels returned; nothing left to watch.
     } else {
       InFlight& front = in_flight_.front();

@@ -13,18 +13,18 @@
 // starts when its `start` event is reached, so time spent queued behind the caller's own
 // kernels does not count. Failing means: mark every unfinished call failed, then
 // ncclCommAbort (which makes NCCL's kernels return, so nothing waiting on them hangs). The
-// first error sticks: every later call fails at once and names it.
+// first error sticks (in the StickyFailure shared with the front end): every later call
+// fails at once and names it.
 //
 // Locks: launch_mu_ serialises every use of the ncclComm_t (a handle is not thread-safe, and
 // a non-blocking one must not be used again before its last call settled). queue_mu_ guards
-// the in-flight queue and the sticky error; it is taken inside launch_mu_, never around it.
+// the in-flight queue; it is taken inside launch_mu_, never around it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/failure.h"
 #include "comm/nccl/nccl_util.h"
 #include "comm/nccl/nccl_work.h"
 #include "dtrain/work.h"
@@ -48,9 +49,11 @@ class NcclComm {
   using Call = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
 
   // Joins the `world_size` ranks that use `id`, on `device`. Throws TimeoutError if not all
-  // of them joined by `join_deadline`, CommError if CUDA or NCCL fail.
+  // of them joined by `join_deadline`, CommError if CUDA or NCCL fail. Failures are recorded
+  // in `failure`.
   NcclComm(const ncclUniqueId& id, int rank, int world_size, int device,
-           Clock::time_point join_deadline, std::chrono::milliseconds teardown_timeout);
+           Clock::time_point join_deadline, std::chrono::milliseconds teardown_timeout,
+           std::shared_ptr<detail::StickyFailure> failure);
   // Lets queued calls finish (bounded by teardown_timeout), then destroys the NCCL
   // communicator; aborts it instead if it is broken or the calls do not finish.
   ~NcclComm();
@@ -58,13 +61,13 @@ class NcclComm {
   NcclComm& operator=(const NcclComm&) = delete;
 
   // Runs `call` on the communicator's stream after the work the caller's current stream
-  // holds so far, and returns its Work. Failures (CUDA or NCCL errors, NCCL not accepting
-  // the call within `timeout`, a communicator broken earlier) land in the Work and break
-  // the communicator; nothing is thrown here. blocks_host: see NcclWork.
-  WorkPtr launch(const char* op, std::vector<at::Tensor> tensors, std::chrono::milliseconds timeout,
-                 bool blocks_host, const Call& call);
+  // holds so far, and returns its Work. `ctx` names the call, with its sequence number.
+  // Failures (CUDA or NCCL errors, NCCL not accepting the call within `timeout`, a
+  // communicator broken earlier) land in the Work and break the communicator; nothing is
+  // thrown here. blocks_host: see NcclWork.
+  WorkPtr launch(const ErrorContext& ctx, std::vector<at::Tensor> tensors,
+                 std::chrono::milliseconds timeout, bool blocks_host, const Call& call);
 
-  uint64_t sequence_number() const { return seq_.load(); }
   // One float of device memory for barriers.
   void* barrier_buffer() const { return barrier_buffer_.get(); }
 
@@ -77,7 +80,7 @@ class NcclComm {
 
   ErrorContext context(const char* op, int64_t seq) const;
   // Fails every unfinished call (origin with `error` itself, the others with a reference to
-  // it), records `error` as the sticky one, and aborts the NCCL communicator. launch_mu_
+  // it), records `error` in the sticky failure, and aborts the NCCL communicator. launch_mu_
   // must be held.
   void break_locked(const std::exception_ptr& error, NcclWork* origin);
   // Waits until the stream ran everything queued on it; false on an NCCL error or deadline.
@@ -93,7 +96,7 @@ class NcclComm {
   Stream stream_;
   Event caller_ready_;  // reused by every launch, under launch_mu_
   DeviceMemory barrier_buffer_;
-  std::atomic<uint64_t> seq_{0};
+  std::shared_ptr<detail::StickyFailure> failure_;
 
   std::mutex launch_mu_;
   ncclComm_t comm_ = nullptr;  // null once destroyed or aborted
@@ -101,7 +104,6 @@ class NcclComm {
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<InFlight> in_flight_;
-  std::exception_ptr broken_;
   bool stop_ = false;
   std::thread watchdog_;
 };

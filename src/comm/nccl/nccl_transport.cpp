@@ -1,0 +1,211 @@
+#include "comm/nccl/nccl_transport.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "comm/nccl/nccl_comm.h"
+#include "comm/nccl/nccl_util.h"
+
+namespace dtrain::nccl_backend {
+namespace {
+
+// The CUDA device this rank uses; also makes it current, as NCCL's init expects.
+int resolve_device(const CommunicatorOptions& options, const ErrorContext& ctx) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0) {
+    (void)cudaGetLastError();
+    throw InvalidArgument(
+        ctx, fmt::format("the NCCL backend needs a CUDA device: {}",
+                         status != cudaSuccess ? cudaGetErrorString(status) : "none found"));
+  }
+  int device = options.device_index;
+  if (device < 0) check_cuda(cudaGetDevice(&device), ctx, "cudaGetDevice");
+  if (device >= count) {
+    throw InvalidArgument(
+        ctx, fmt::format("device_index {} is not a CUDA device of [0, {})", device, count));
+  }
+  use_device(device, ctx);
+  return device;
+}
+
+// Rank 0 creates NCCL's unique id and publishes it through the store; the others wait for it
+// until `deadline`.
+ncclUniqueId exchange_unique_id(Store& store, int rank, Clock::time_point deadline,
+                                const ErrorContext& ctx) {
+  static const std::string kKey = "unique_id";
+  ncclUniqueId id;
+  if (rank == 0) {
+    check_nccl(ncclGetUniqueId(&id), ctx, "ncclGetUniqueId");
+    const auto* bytes = reinterpret_cast<const uint8_t*>(id.internal);
+    store.set(kKey, Bytes(bytes, bytes + sizeof(id.internal)));
+    return id;
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  Bytes bytes;
+  try {
+    bytes = store.get(kKey, std::max(left, std::chrono::milliseconds(1)));
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(ctx,
+                       fmt::format("rank 0 did not publish the NCCL id in time ({})", e.cause()));
+  } catch (const Error& e) {
+    throw CommError(ctx, fmt::format("reading the NCCL id from the store: {}", e.cause()));
+  }
+  if (bytes.size() != sizeof(id.internal)) {
+    throw CommError(ctx, fmt::format("the NCCL id in the store has {} bytes, expected {}",
+                                     bytes.size(), sizeof(id.internal)));
+  }
+  std::memcpy(id.internal, bytes.data(), bytes.size());
+  return id;
+}
+
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// Whether `slice` is exactly rank's block of `flat` (NCCL's in-place all-gather and
+// reduce-scatter layout).
+bool is_rank_block(const at::Tensor& slice, const at::Tensor& flat, int rank) {
+  return static_cast<const char*>(slice.data_ptr()) ==
+         static_cast<const char*>(flat.data_ptr()) + rank * slice.nbytes();
+}
+
+using detail::Collective;
+using detail::CollectiveOp;
+using detail::PointToPoint;
+
+class NcclTransport final : public detail::Transport {
+ public:
+  NcclTransport(std::shared_ptr<Store> store, int rank, int world_size,
+                const CommunicatorOptions& options, std::shared_ptr<detail::StickyFailure> failure)
+      : rank_(rank), store_(make_prefix_store("dtrain/nccl/" + options.name, std::move(store))) {
+    const ErrorContext ctx{rank, world_size, "connect", -1};
+    const auto deadline = Clock::now() + options.timeout;
+    device_ = resolve_device(options, ctx);
+    const ncclUniqueId id = exchange_unique_id(*store_, rank, deadline, ctx);
+    comm_ = std::make_unique<NcclComm>(id, rank, world_size, device_, deadline, options.timeout,
+                                       std::move(failure));
+  }
+
+  Backend backend() const override { return Backend::kNccl; }
+
+  void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override {
+    auto fail = [&](const std::string& why) {
+      throw InvalidArgument(ctx, fmt::format("{}: {}", what, why));
+    };
+    if (!t.is_cuda()) fail(fmt::format("NCCL needs CUDA tensors, got {}", t.device().str()));
+    if (t.device().index() != device_) {
+      fail(fmt::format("tensor is on {}, the communicator on cuda:{}", t.device().str(), device_));
+    }
+    (void)nccl_type(t.scalar_type(), ctx);
+  }
+
+  // NCCL's in-place layouts: a rank's block of the flat tensor, or no overlap at all.
+  void check_call(const Collective& call) const override {
+    if (call.op == CollectiveOp::kAllGather && overlap(call.input, call.tensor) &&
+        !is_rank_block(call.input, call.tensor, rank_)) {
+      throw InvalidArgument(call.context,
+                            "input overlaps output but is not this rank's block of it");
+    }
+    if (call.op == CollectiveOp::kReduceScatter && overlap(call.input, call.tensor) &&
+        !is_rank_block(call.tensor, call.input, rank_)) {
+      throw InvalidArgument(call.context,
+                            "output overlaps input but is not this rank's block of it");
+    }
+  }
+
+  WorkPtr start(Collective call) override {
+    const ErrorContext& ctx = call.context;
+    const ncclDataType_t type =
+        call.op == CollectiveOp::kBarrier ? ncclFloat32 : nccl_type(call.tensor.scalar_type(), ctx);
+    void* out =
+        call.op == CollectiveOp::kBarrier ? comm_->barrier_buffer() : call.tensor.data_ptr();
+    const void* in = call.input.defined() ? call.input.data_ptr() : out;
+    const size_t n = call.op == CollectiveOp::kBarrier ? 1
+                     : call.op == CollectiveOp::kAllGather
+                         ? static_cast<size_t>(call.input.numel())
+                         : static_cast<size_t>(call.tensor.numel());
+    const ncclRedOp_t op = nccl_op(call.reduce);
+    const int root = call.root;
+    NcclComm::Call launch;
+    switch (call.op) {
+      case CollectiveOp::kAllReduce:
+        launch = [=](ncclComm_t comm, cudaStream_t stream) {
+          return n == 0 ? ncclSuccess : ncclAllReduce(out, out, n, type, op, comm, stream);
+        };
+        break;
+      case CollectiveOp::kBroadcast:
+        launch = [=](ncclComm_t comm, cudaStream_t stream) {
+          return n == 0 ? ncclSuccess : ncclBroadcast(out, out, n, type, root, comm, stream);
+        };
+        break;
+      case CollectiveOp::kAllGather:
+        launch = [=](ncclComm_t comm, cudaStream_t stream) {
+          return n == 0 ? ncclSuccess : ncclAllGather(in, out, n, type, comm, stream);
+        };
+        break;
+      case CollectiveOp::kReduceScatter:
+        launch = [=](ncclComm_t comm, cudaStream_t stream) {
+          return n == 0 ? ncclSuccess : ncclReduceScatter(in, out, n, type, op, comm, stream);
+        };
+        break;
+      case CollectiveOp::kBarrier:
+        launch = [=](ncclComm_t comm, cudaStream_t stream) {
+          return ncclAllReduce(out, out, 1, ncclFloat32, ncclSum, comm, stream);
+        };
+        break;
+    }
+    // The Work of a barrier blocks the host in wait(): "every rank has called it" is a
+    // statement about hosts, not streams.
+    const bool blocks_host = call.op == CollectiveOp::kBarrier;
+    std::vector<at::Tensor> tensors;
+    if (call.tensor.defined()) tensors.push_back(call.tensor);
+    if (call.input.defined()) tensors.push_back(call.input);
+    return comm_->launch(ctx, std::move(tensors), call.timeout, blocks_host, launch);
+  }
+
+  // NCCL has no tags: sends and receives between a pair match in issue order, and `tag` is
+  // only checked by Gloo. See docs/nccl.md.
+  WorkPtr start(PointToPoint call) override {
+    const ncclDataType_t type = nccl_type(call.tensor.scalar_type(), call.context);
+    void* data = call.tensor.data_ptr();
+    const size_t n = static_cast<size_t>(call.tensor.numel());
+    const int peer = call.peer;
+    const bool is_send = call.is_send;
+    return comm_->launch(call.context, {call.tensor}, call.timeout, false,
+                         [=](ncclComm_t comm, cudaStream_t stream) {
+                           if (n == 0) return ncclSuccess;
+                           const ncclResult_t start = ncclGroupStart();
+                           if (start != ncclSuccess) return start;
+                           const ncclResult_t issued =
+                               is_send ? ncclSend(data, n, type, peer, comm, stream)
+                                       : ncclRecv(data, n, type, peer, comm, stream);
+                           const ncclResult_t end = ncclGroupEnd();
+                           return issued != ncclSuccess ? issued : end;
+                         });
+  }
+
+ private:
+  const int rank_;
+  // Kept for the communicator's lifetime: rank 0's may host the TCP store server that
+  // slower ranks still need to read the NCCL id.
+  std::shared_ptr<Store> store_;
+  int device_ = -1;
+  std::unique_ptr<NcclComm> comm_;
+};
+
+}  // namespace
+
+std::unique_ptr<detail::Transport> make_nccl_transport(
+    std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
+    std::shared_ptr<detail::StickyFailure> failure) {
+  return std::make_unique<NcclTransport>(std::move(store), rank, world_size, options,
+                                         std::move(failure));
+}
+
+}  // namespace dtrain::nccl_backend
