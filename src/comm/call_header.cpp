@@ -6,16 +6,31 @@
 #include <algorithm>
 #include <string>
 
-#include <algorithm>
-
 namespace dtrain::detail {
 namespace {
 
 constexpr uint8_t kNone = 0xff;
 
-const char* dtype_name(uint8_t dtype) {
-  if (dtype == kNone) return "none";
-  switch (static_cast<c10::ScalarType>(dtype)) {
+const char* header_dtype_name(uint8_t dtype) {
+  return dtype == kNone ? "none" : dtype_name(static_cast<c10::ScalarType>(dtype));
+}
+
+bool same_shape(const CallHeader& a, const CallHeader& b) {
+  return a.ndim == b.ndim && std::equal(a.dims, a.dims + CallHeader::kMaxDims, b.dims);
+}
+
+bool agree(const CallHeader& a, const CallHeader& b, Consistency level) {
+  if (a.magic != b.magic || a.sequence != b.sequence || a.op != b.op || a.dtype != b.dtype ||
+      a.numel != b.numel || a.reduce != b.reduce || a.root != b.root) {
+    return false;
+  }
+  return level < Consistency::kFingerprint || same_shape(a, b);
+}
+
+}  // namespace
+
+const char* dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
     case c10::ScalarType::Float:
       return "float32";
     case c10::ScalarType::Double:
@@ -37,23 +52,9 @@ const char* dtype_name(uint8_t dtype) {
     case c10::ScalarType::Bool:
       return "bool";
     default:
-      return c10::toString(static_cast<c10::ScalarType>(dtype));
+      return c10::toString(dtype);
   }
 }
-
-bool same_shape(const CallHeader& a, const CallHeader& b) {
-  return a.ndim == b.ndim && std::equal(a.dims, a.dims + CallHeader::kMaxDims, b.dims);
-}
-
-bool agree(const CallHeader& a, const CallHeader& b, Consistency level) {
-  if (a.magic != b.magic || a.sequence != b.sequence || a.op != b.op || a.dtype != b.dtype ||
-      a.numel != b.numel || a.reduce != b.reduce || a.root != b.root) {
-    return false;
-  }
-  return level < Consistency::kFingerprint || same_shape(a, b);
-}
-
-}  // namespace
 
 const char* to_string(CollectiveOp op) {
   switch (op) {
@@ -106,7 +107,7 @@ std::string describe(const CallHeader& h) {
     const int shown = std::min<int>(h.ndim, CallHeader::kMaxDims);
     for (int d = 0; d < shown; ++d) dims.push_back(std::to_string(h.dims[d]));
     if (h.ndim > CallHeader::kMaxDims) dims.back() += " (folded)";
-    s += fmt::format(" {}[{}]", dtype_name(h.dtype), fmt::join(dims, ", "));
+    s += fmt::format(" {}[{}]", header_dtype_name(h.dtype), fmt::join(dims, ", "));
   }
   if (h.reduce != kNone) s += fmt::format(" {}", to_string(static_cast<ReduceOp>(h.reduce)));
   if (h.root >= 0) s += fmt::format(" root {}", h.root);

@@ -23,6 +23,8 @@ enum class CollectiveOp : uint8_t {
 };
 
 const char* to_string(CollectiveOp op);
+// "float32", "int64", ...: the names error messages use.
+const char* dtype_name(c10::ScalarType dtype);
 
 struct CallHeader {
   static constexpr uint32_t kMagic = 0x64744331;  // "dtC1": also the format's version

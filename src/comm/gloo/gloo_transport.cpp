@@ -351,7 +351,7 @@ WorkPtr GlooTransport::start(PointToPoint call) {
           throw TimeoutError(fmt::format(
               "no matching {} of {}[{}] with tag {} on rank {} within {} ms: the peer is late, or "
               "its call has another size or dtype (both are part of the match)",
-              call.is_send ? "recv" : "send", c10::toString(call.tensor.scalar_type()),
+              call.is_send ? "recv" : "send", detail::dtype_name(call.tensor.scalar_type()),
               call.tensor.numel(), call.tag, call.peer, call.timeout.count()));
         }
       }));
