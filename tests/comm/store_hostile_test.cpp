@@ -243,13 +243,15 @@ TEST(StoreHostile, TooManyClientsRefusesTheExtraOneAndKeepsTheOthers) {
 
 TEST(StoreHostile, ClientThatNeverReadsItsReplyDoesNotStallOthers) {
   TcpStoreOptions o = server_options();
-  o.max_value_bytes = 1u << 20;
-  o.max_unread_reply_bytes = 2u << 20;
+  o.max_value_bytes = 8u << 20;
+  o.max_unread_reply_bytes = 17u << 20;
   auto server = make_tcp_store(o);
-  server->set("big", Bytes(1u << 20, 7));
+  server->set("big", Bytes(8u << 20, 7));
   RawClient slow(o.port, /*rcvbuf=*/4096);
   slow.hello();
-  slow.send(proto::encode_get("big"));  // 1 MiB that its 4 KiB window cannot take
+  // 16 MiB, under the bound, that neither its small window nor the server's socket buffer
+  // (at most tcp_wmem's 4 MiB) can take: the rest waits in the server's output buffer.
+  slow.send(proto::encode_get("big") + proto::encode_get("big"));
   std::this_thread::sleep_for(milliseconds(200));
 
   TcpStoreOptions co = client_of(o);
@@ -257,12 +259,14 @@ TEST(StoreHostile, ClientThatNeverReadsItsReplyDoesNotStallOthers) {
   auto other = make_tcp_store(co);
   const auto t = Clock::now();
   for (int i = 0; i < 20; ++i) expect_serving(*other, std::to_string(i));
-  EXPECT_EQ(other->get("big", milliseconds(1000)).size(), 1u << 20);
+  EXPECT_EQ(other->get("big", milliseconds(3000)).size(), 8u << 20);
   EXPECT_LT(seconds_since(t), 3.0);
-  // Under the bound it is only slow, not dropped: its reply is still there when it reads.
-  auto r = slow.reply();
-  ASSERT_TRUE(r.has_value());
-  EXPECT_EQ(r->second.size(), 1u + (1u << 20));
+  // Under the bound it is only slow, not dropped: its replies are still there when it reads.
+  for (int i = 0; i < 2; ++i) {
+    auto r = slow.reply();
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->second.size(), 1u + (8u << 20));
+  }
 }
 
 TEST(StoreHostile, ClientWithTooManyUnreadRepliesIsDropped) {
@@ -336,7 +340,14 @@ TEST(StoreHostile, ConnectStoreCarriesTheTokenFromTheEnvironment) {
   EXPECT_EQ(env(0, "abc").store_token, "abc");
   EXPECT_THROW(env(0, std::string(1025, 't')), InvalidArgument);
   std::shared_ptr<Store> s0;
-  std::thread rank0([&] { s0 = connect_store(env(0, "abc"), milliseconds(10000)); });
+  std::string rank0_error;
+  std::thread rank0([&] {
+    try {
+      s0 = connect_store(env(0, "abc"), milliseconds(10000));
+    } catch (const std::exception& e) {
+      rank0_error = e.what();
+    }
+  });
   std::this_thread::sleep_for(milliseconds(300));
   try {
     connect_store(env(1, "abd"), milliseconds(3000));
@@ -348,7 +359,7 @@ TEST(StoreHostile, ConnectStoreCarriesTheTokenFromTheEnvironment) {
   }
   auto s1 = connect_store(env(1, "abc"), milliseconds(10000));
   rank0.join();
-  EXPECT_TRUE(s0 != nullptr);
+  EXPECT_TRUE(s0 != nullptr) << rank0_error;
 }
 
 // Binding follows the listening-address rule (docs/multinode.md): the master's address only.
