@@ -45,7 +45,7 @@ namespace dtrain {
 // What the last step cost in communication. Fields that do not apply are 0.
 struct StepStats {
   int64_t bytes_communicated = 0;  // payload bytes this rank sent into collectives
-  double comm_wait_s = 0;          // time the caller waited on communication after backward
+  double comm_wait_s = 0;  // time the caller waited on communication (FSDP: also its gathers)
   double comm_total_s = 0;         // summed duration of the step's collectives
   int64_t num_collectives = 0;     // collectives issued by the step (DDP: buckets)
 };

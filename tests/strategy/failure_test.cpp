@@ -200,6 +200,9 @@ class FailingContinuationHook : public CommHook {
 
 constexpr int kFailStep = 2;
 
+void PrintTo(const FailureCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const SharingCase& c, std::ostream* os) { *os << c.name; }
+
 class StepFailures : public ::testing::TestWithParam<FailureCase> {};
 
 // Trains kSteps; step kFailStep fails on rank 1 (or every rank). Every rank must throw from
@@ -255,8 +258,10 @@ TEST_P(StepFailures, EveryRankDropsTheStepAndTrainingGoesOn) {
         }
         auto& tf = static_cast<TinyTransformerImpl&>(*modules[r]);
         auto opt = make_opt(Opt::kSgd, strategy->parameters());
+        int64_t bytes_before = 0;
         for (int s = 0; s < kSteps; ++s) {
           const bool inject = s == kFailStep && fails;
+          if (s == kFailStep) bytes_before = strategy->model_state_bytes();
           at::Tensor x = data[s].x.narrow(0, r * kLocalBatch, kLocalBatch);
           at::Tensor y = data[s].y.narrow(0, r * kLocalBatch, kLocalBatch);
           opt->zero_grad();
@@ -291,6 +296,10 @@ TEST_P(StepFailures, EveryRankDropsTheStepAndTrainingGoesOn) {
             DTRAIN_CHECK(s == kFailStep && fails, "rank {} step {}: unexpected {}", r, s,
                          e.what());
           }
+          // Reset: no unit left gathered, no gradient buffer left behind.
+          DTRAIN_CHECK(s != kFailStep || strategy->model_state_bytes() == bytes_before,
+                       "rank {}: {} bytes of model state after the failed step, {} before", r,
+                       strategy->model_state_bytes(), bytes_before);
         }
         if (fc.kind == Kind::kFsdp) {
           auto state = static_cast<FullyShardedDataParallel&>(*strategy).full_state_dict();
