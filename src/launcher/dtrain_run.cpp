@@ -20,9 +20,12 @@ constexpr const char* kUsage = R"(usage: dtrain-run [options] [--] program [args
 
 Runs `program` once per local rank, with the variables dtrain (and torchrun-style
 programs) read to find their peers: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT. Waits for every rank. If one fails, the others get SIGTERM
+MASTER_ADDR, MASTER_PORT. Waits for every rank. Each rank leads its own process group,
+and everything in it is stopped with the rank. If one fails, the others get SIGTERM
 (SIGKILL after the grace period), the failed rank and the way it failed are printed, and
-dtrain-run exits non-zero. SIGINT/SIGTERM are forwarded to the ranks.
+dtrain-run exits non-zero. SIGINT/SIGTERM are forwarded to the ranks, SIGHUP/SIGQUIT send
+them SIGTERM; a second signal kills them. If dtrain-run itself dies (even by SIGKILL), the
+ranks get SIGKILL.
 
 options:
   --nproc_per_node N   ranks on this node (default 1)
@@ -43,7 +46,8 @@ options:
   -h, --help           this text
 
 exit status: 0 when every rank exited 0; otherwise the failed rank's exit code, or
-128 + the signal that killed it.
+128 + the signal that killed it, or 128 + the signal dtrain-run received (129 SIGHUP,
+130 SIGINT, 131 SIGQUIT, 143 SIGTERM).
 )";
 
 struct BlasOptions {
