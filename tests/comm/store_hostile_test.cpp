@@ -362,6 +362,40 @@ TEST(StoreHostile, ConnectStoreCarriesTheTokenFromTheEnvironment) {
   EXPECT_TRUE(s0 != nullptr) << rank0_error;
 }
 
+// A server that answers the handshake, then stops answering: the client's call times out,
+// and later calls fail at once instead of reading the late reply as their own.
+TEST(StoreHostile, TimedOutExchangeBreaksTheClient) {
+  uint16_t port = 0;
+  detail::Socket listener = detail::listen_tcp("127.0.0.1", 0, &port);
+  std::thread fake([&] {
+    detail::Socket c(::accept(listener.fd(), nullptr, nullptr));
+    char buf[256];
+    (void)!::recv(c.fd(), buf, sizeof(buf), 0);  // the hello
+    std::string ok;
+    proto::put_reply(ok, proto::kOk, {});
+    detail::send_all(c.fd(), ok.data(), ok.size(), Clock::now() + milliseconds(1000));
+    while (::recv(c.fd(), buf, sizeof(buf), 0) > 0) {
+    }
+  });
+  TcpStoreOptions o;
+  o.port = port;
+  o.timeout = milliseconds(300);
+  {
+    auto client = make_tcp_store(o);
+    EXPECT_THROW(client->add("n", 1), TimeoutError);
+    try {
+      client->add("n", 1);
+      ADD_FAILURE() << "a call after a timed-out exchange was sent";
+    } catch (const TimeoutError& e) {
+      ADD_FAILURE() << "a second timeout instead of a broken store: " << e.what();
+    } catch (const CommError& e) {
+      EXPECT_NE(e.cause().find("store connection broken by an earlier failure"), std::string::npos)
+          << e.what();
+    }
+  }
+  fake.join();
+}
+
 // Binding follows the listening-address rule (docs/multinode.md): the master's address only.
 TEST(StoreHostile, ServerListensOnTheMasterAddressOnly) {
   std::vector<std::string> hosts = {"127.0.0.2"};

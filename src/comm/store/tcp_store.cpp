@@ -95,7 +95,11 @@ class TcpStore final : public Store {
   int64_t add(const std::string& key, int64_t delta) override {
     check_bounds("store.add", "add", key);
     const std::string r = request("store.add", at(key), proto::encode_add(key, delta));
-    if (r.size() != 8) broken("store.add", at(key), "malformed reply");
+    if (r.size() != 8) {
+      std::lock_guard<std::mutex> lock(mu_);
+      broken_ = fmt::format("{}: malformed reply to add ({} bytes)", at(key), r.size());
+      throw CommError(ErrorContext{-1, -1, "store.add", -1}, broken_);
+    }
     return proto::read_i64(r.data());
   }
 
@@ -140,11 +144,6 @@ class TcpStore final : public Store {
     return fmt::format("key '{}' at {}:{}", key, options_.host, options_.port);
   }
 
-  [[noreturn]] void broken(const char* op, const std::string& where, const std::string& why) {
-    broken_ = fmt::format("{}: {}", where, why);
-    throw CommError(ErrorContext{-1, -1, op, -1}, broken_);
-  }
-
   // Sends one request frame and returns the ok reply's payload. A failed exchange leaves the
   // connection out of step (a late reply would answer the next request): it breaks the store.
   // `where` names the key and server for messages.
@@ -183,7 +182,9 @@ class TcpStore final : public Store {
                               options_.port, message);
         throw CommError(ErrorContext{-1, -1, op, -1}, broken_);
       default:
-        broken(op, where, fmt::format("reply with unknown status {}", int(uint8_t(reply[0]))));
+        broken_ = fmt::format("{}: reply with unknown status {}", where,
+                              static_cast<int>(static_cast<uint8_t>(reply[0])));
+        throw CommError(ErrorContext{-1, -1, op, -1}, broken_);
     }
   }
 
