@@ -362,6 +362,28 @@ TEST(StoreHostile, ConnectStoreCarriesTheTokenFromTheEnvironment) {
   EXPECT_TRUE(s0 != nullptr) << rank0_error;
 }
 
+TEST(StoreHostile, InconsistentOptionsAreRefusedUpFront) {
+  const auto cause = [](TcpStoreOptions o) {
+    try {
+      make_tcp_store(o);
+    } catch (const InvalidArgument& e) {
+      return e.cause();
+    }
+    return std::string("(accepted)");
+  };
+  TcpStoreOptions o = server_options();
+  o.token = std::string(1025, 't');
+  EXPECT_EQ(cause(o), "token (DTRAIN_STORE_TOKEN) of 1025 bytes; at most 1024");
+  o = server_options();
+  o.max_unread_reply_bytes = o.max_value_bytes;
+  EXPECT_EQ(cause(o),
+            "max_unread_reply_bytes=4194304 is below one reply to a get (max_value_bytes + 16 = "
+            "4194320)");
+  o = server_options();
+  o.max_clients = 0;
+  EXPECT_EQ(cause(o), "max_clients must be >= 1");
+}
+
 // A server that answers the handshake, then stops answering: the client's call times out,
 // and later calls fail at once instead of reading the late reply as their own.
 TEST(StoreHostile, TimedOutExchangeBreaksTheClient) {
