@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "dtrain/activation_checkpoint.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "lm_head_loss.h"
@@ -167,8 +168,13 @@ at::Tensor GptImpl::hidden(const at::Tensor& idx) {
   at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
   at::Tensor x = wte->forward(idx) + wpe->forward(pos);
   for (auto& block : blocks) {
-    // A no-op wrapper except under FSDP, where it gathers and frees the block's weights.
-    x = dtrain::unit_call(*block, [&] { return block->forward(x); });
+    // A no-op wrapper except under FSDP, where it gathers and frees the block's weights (and
+    // gathers them again before a checkpointed block is recomputed).
+    x = dtrain::unit_call(*block, [&] {
+      if (!config_.activation_checkpointing) return block->forward(x);
+      return dtrain::checkpoint([b = block](const at::Tensor& in) mutable { return b->forward(in); },
+                                x);
+    });
   }
   return ln_f->forward(x);
 }

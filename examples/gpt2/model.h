@@ -28,6 +28,9 @@ struct GptConfig {
   int64_t layers = 12;
   int64_t heads = 12;
   int64_t dim = 768;  // embedding width; a multiple of heads
+  // Recompute every block's forward during backward instead of keeping its activations
+  // (dtrain::checkpoint): only the blocks' inputs stay alive, for one more forward's time.
+  bool activation_checkpointing = false;
 
   // Throws dtrain::InvalidArgument when a dimension is not positive or dim % heads != 0.
   void validate() const;

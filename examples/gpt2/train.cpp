@@ -162,6 +162,9 @@ ABSL_FLAG(int, shard_group_size, 0, "fsdp hybrid: ranks per shard group (0: LOCA
 ABSL_FLAG(std::string, prefetch, "pre",
           "fsdp backward prefetch: pre (gather the next unit when a unit's backward starts) | "
           "post (after its gradient is reduced) | none.");
+ABSL_FLAG(bool, activation_checkpointing, false,
+          "Recompute every transformer block's forward during backward instead of keeping its "
+          "activations: less memory, about one more forward of time (any strategy).");
 ABSL_FLAG(bool, forward_prefetch, false, "fsdp: gather unit k+1 while unit k's forward runs.");
 
 // Evaluation and output
@@ -308,6 +311,7 @@ Config config_from_flags() {
 
   c.gpt = preset(c.model);
   if (absl::GetFlag(FLAGS_layers) > 0) c.gpt.layers = absl::GetFlag(FLAGS_layers);
+  c.gpt.activation_checkpointing = absl::GetFlag(FLAGS_activation_checkpointing);
   if (absl::GetFlag(FLAGS_heads) > 0) c.gpt.heads = absl::GetFlag(FLAGS_heads);
   if (absl::GetFlag(FLAGS_dim) > 0) c.gpt.dim = absl::GetFlag(FLAGS_dim);
   if (absl::GetFlag(FLAGS_ctx) > 0) c.gpt.context = absl::GetFlag(FLAGS_ctx);
@@ -625,8 +629,9 @@ void Trainer::setup_model_and_strategy() {
   at::manual_seed(static_cast<uint64_t>(c_.seed));  // identical initial weights on every rank
   model_ = Gpt(c_.gpt);
   model_->to(device_);
-  say(fmt::format("model: {} ({}), {:.2f}M parameters", c_.model, c_.gpt.to_string(),
-                  static_cast<double>(count_parameters(c_.gpt)) / 1e6));
+  say(fmt::format("model: {} ({}), {:.2f}M parameters{}", c_.model, c_.gpt.to_string(),
+                  static_cast<double>(count_parameters(c_.gpt)) / 1e6,
+                  c_.gpt.activation_checkpointing ? ", activation checkpointing" : ""));
   if (!c_.init_from.empty()) {
     init_from_hf_safetensors(c_.init_from, model_);
     say(fmt::format("model: initialized from {}", c_.init_from));

@@ -1,6 +1,7 @@
 // Umbrella header: everything a training program needs from dtrain.
 #pragma once
 
+#include "dtrain/activation_checkpoint.h"
 #include "dtrain/blas.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm_hook.h"

@@ -12,6 +12,7 @@
 #include "dtrain/activation_checkpoint.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
 #include "strategy/test_models.h"
 #include "support/check.h"
 #include "support/ranks.h"
@@ -34,7 +35,9 @@ struct DropoutNetImpl : torch::nn::Module {
       auto block = [b, p = p](const at::Tensor& in) mutable {
         return at::dropout(b->forward(in), p, true);
       };
-      x = checkpointed ? dtrain::checkpoint(block, x) : block(x);
+      // unit_call outside: FSDP gathers the unit for the forward and again before the
+      // recompute (its pre-backward hook on the output), as for any unit.
+      x = dtrain::unit_call(*b, [&] { return checkpointed ? dtrain::checkpoint(block, x) : block(x); });
     }
     return at::matmul(x, wte->weight.t());
   }
@@ -168,6 +171,49 @@ TEST(ActivationCheckpoint, DataParallelHooksFireFromTheRecompute) {
       EXPECT_TRUE(at::allclose(plain[r]->parameters()[i], ckpt[r]->parameters()[i], 1e-5, 1e-6))
           << "rank " << r << " parameter " << i;
     }
+  }
+}
+
+// The same under FSDP with a unit per block: the checkpointed units are gathered again for
+// the recompute and reduce-scatter the recomputed gradients.
+TEST(ActivationCheckpoint, FsdpUnitsAreGatheredForTheRecompute) {
+  torch::manual_seed(9);
+  const at::Tensor idx = at::randint(40, {4, 8}, at::kLong);
+  const at::Tensor targets = at::randint(40, {4, 8}, at::kLong);
+  std::vector<DropoutNet> plain, ckpt;
+  for (int r = 0; r < 2; ++r) {
+    plain.emplace_back(false, 0.0);
+    ckpt.emplace_back(true, 0.0);
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < plain[r]->parameters().size(); ++i) {
+      ckpt[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
+      plain[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
+    }
+  }
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> plain_state(2), ckpt_state(2);
+  auto train = [&](Communicator& comm, DropoutNet net, std::vector<std::pair<std::string, at::Tensor>>& state) {
+    at::set_num_threads(1);
+    const int r = comm.rank();
+    FsdpOptions o;
+    o.wrap_policy = wrap_modules_named("BlockImpl");
+    FullyShardedDataParallel fsdp(net.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+    for (int step = 0; step < 3; ++step) {
+      for (auto& p : fsdp.parameters()) p.mutable_grad().reset();
+      at::Tensor loss = fsdp.forward(
+          [&] { return loss_of(net->forward(idx.narrow(0, 2 * r, 2)), targets.narrow(0, 2 * r, 2)); });
+      fsdp.backward(loss);
+      torch::NoGradGuard no_grad;
+      for (auto& p : fsdp.parameters()) p.sub_(p.grad(), 0.1);
+    }
+    state = fsdp.full_state_dict();
+  };
+  run_ranks(2, [&](Communicator& comm) { train(comm, plain[comm.rank()], plain_state[comm.rank()]); });
+  run_ranks(2, [&](Communicator& comm) { train(comm, ckpt[comm.rank()], ckpt_state[comm.rank()]); });
+  ASSERT_EQ(plain_state[0].size(), ckpt_state[0].size());
+  ASSERT_FALSE(plain_state[0].empty());  // rank 0 holds the full state
+  for (size_t i = 0; i < plain_state[0].size(); ++i) {
+    EXPECT_TRUE(at::allclose(plain_state[0][i].second, ckpt_state[0][i].second, 1e-5, 1e-6))
+        << plain_state[0][i].first;
   }
 }
 

@@ -237,6 +237,19 @@ TEST_F(TrainerTest, FsdpGradOpMatchesSingle) {
   expect_same_curve(*single_, fsdp, kFp32Tolerance);
 }
 
+// Recomputing every block in backward changes no number beyond fp32 rounding.
+TEST_F(TrainerTest, ActivationCheckpointingMatchesSingle) {
+  RunResult single = run_trainer(
+      "single_ckpt", with(common_args(), {"--strategy=single", "--batch=4",
+                                          "--activation_checkpointing"}));
+  EXPECT_NE(single.output.find("activation checkpointing"), std::string::npos) << single.output;
+  expect_same_curve(*single_, single, kFp32Tolerance);
+  RunResult fsdp = run_trainer(
+      "fsdp_ckpt", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
+                                        "--activation_checkpointing"}));
+  expect_same_curve(*single_, fsdp, kFp32Tolerance);
+}
+
 TEST_F(TrainerTest, FsdpBf16MixedPrecisionStaysClose) {
   RunResult fsdp = run_trainer("fsdp_bf16", with(common_args(), {"--strategy=fsdp", "--nproc=2",
                                                                  "--batch=2", "--precision=bf16"}));
