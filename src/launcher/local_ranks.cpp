@@ -56,6 +56,8 @@ const char* signal_name(int sig) {
 
 // Installs on_signal for the stop signals while alive; restores the old handlers after. A
 // SIGHUP ignored on entry (nohup) stays ignored: surviving a hangup is what the user asked.
+// SIGCHLD is at its default meanwhile: ignored, the kernel would reap the ranks itself and
+// their exit statuses would be lost.
 class SignalForwarding {
  public:
   SignalForwarding() {
@@ -70,17 +72,23 @@ class SignalForwarding {
       if (sig == SIGHUP && old_[i].sa_handler == SIG_IGN) continue;
       sigaction(sig, &sa, nullptr);
     }
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(SIGCHLD, &dfl, &old_chld_);
   }
   ~SignalForwarding() {
     for (size_t i = 0; i < std::size(kStopSignals); ++i) {
       sigaction(kStopSignals[i], &old_[i], nullptr);
     }
+    sigaction(SIGCHLD, &old_chld_, nullptr);
   }
   SignalForwarding(const SignalForwarding&) = delete;
   SignalForwarding& operator=(const SignalForwarding&) = delete;
 
  private:
   struct sigaction old_[std::size(kStopSignals)]{};
+  struct sigaction old_chld_ {};
 };
 
 struct Child {

@@ -64,9 +64,10 @@ void validate(const NodeOptions& options);
 // SIGHUP and SIGQUIT send SIGTERM to them (a SIGHUP ignored when run_node starts, as under
 // nohup, stays ignored); a second signal kills them. When a rank fails (non-zero exit or a
 // signal), prints which rank failed and how and sends SIGTERM to the other ranks' groups.
-// Groups still running `grace` after a SIGTERM get SIGKILL. A waitpid() result other than
-// the rank's own status (e.g. ECHILD: someone else reaped it) counts as a failure of that
-// rank.
+// Groups still running `grace` after a SIGTERM get SIGKILL. SIGCHLD is at its default
+// meanwhile (ignored, the kernel would reap the ranks and lose their statuses). A waitpid()
+// result other than the rank's own status (e.g. ECHILD: someone else reaped it) counts as a
+// failure of that rank.
 //
 // Returns the status to exit with: 0 when every rank exited 0; else the failed rank's exit
 // code, or 128 + signal number when it was killed by a signal or a signal stopped the job

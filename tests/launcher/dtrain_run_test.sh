@@ -198,11 +198,19 @@ expect_status 0 "$run" --nproc_per_node 2 -- sh -c 'sleep 60 & echo $! >"$0/gc$R
 # shellcheck disable=SC2086
 wait_gone 5 $(pids_of gc) || fail "left behind by ranks that exited 0: $(pids_of gc)"
 
-# 13. A program that cannot be started: named, exit 1, nothing left running.
+# 13. Started with SIGCHLD ignored (the kernel would then reap the ranks itself and waitpid
+#     fail with ECHILD): the ranks' real exit statuses still decide.
+if env --ignore-signal=CHLD true 2>/dev/null; then
+  expect_status 3 env --ignore-signal=CHLD "$run" --nproc_per_node 2 -- sh -c \
+    'if [ "$RANK" = 1 ]; then exit 3; fi; exec sleep 60'
+  expect_stderr "rank 1 .* exited with code 3"
+fi
+
+# 14. A program that cannot be started: named, exit 1, nothing left running.
 expect_status 1 "$run" --nproc_per_node 2 -- /nonexistent/program
 expect_stderr "cannot start '/nonexistent/program': No such file or directory"
 
-# 14. The ranks' BLAS kernel, decided on a fake OpenBLAS (--blas_library) that reports
+# 15. The ranks' BLAS kernel, decided on a fake OpenBLAS (--blas_library) that reports
 #     OPENBLAS_CORETYPE when set, else FAKE_OPENBLAS_KERNEL, else the generic Prescott.
 #     OPENBLAS_CORETYPE may be set where the tests run: each case sets or unsets it.
 if [ -n "$fake_blas" ]; then
