@@ -10,6 +10,7 @@
 #include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/host_memory.h"
 #include "dtrain/rendezvous.h"
 #include "dtrain/single_device.h"
 #include "dtrain/store.h"

@@ -1,0 +1,44 @@
+// tune_host_memory: once applied, a new block above 64 KiB is served by mmap (so freeing it
+// returns it to the system) where glibc's dynamic threshold would have grown the heap.
+#include <gtest/gtest.h>
+#include <malloc.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "dtrain/host_memory.h"
+
+namespace dtrain {
+namespace {
+
+// Whether a new block of `bytes` comes from mmap. Callers pass a size larger than any block
+// freed so far, so no free chunk in the heap can serve it.
+bool new_block_is_mmapped(size_t bytes) {
+  malloc_trim(0);
+  const size_t before = mallinfo2().hblks;
+  // volatile: the compiler may otherwise drop a malloc/free pair whose block is unused.
+  void* volatile p = std::malloc(bytes);
+  const bool mapped = mallinfo2().hblks == before + 1;
+  std::free(p);
+  return mapped;
+}
+
+TEST(HostMemory, BlocksAboveTheThresholdComeFromMmapAfterTuning) {
+  // Freeing a large mmapped block raises glibc's dynamic threshold past it (here 8 MiB), so
+  // without tuning a 2 MiB block then grows the heap and stays there when freed.
+  void* volatile big = std::malloc(8 << 20);
+  std::memset(big, 1, 8 << 20);
+  std::free(big);
+  EXPECT_FALSE(new_block_is_mmapped(2 << 20));
+  ASSERT_TRUE(tune_host_memory());
+  EXPECT_TRUE(new_block_is_mmapped(4 << 20));
+}
+
+TEST(HostMemory, ThresholdsBeyondGlibcsRangeAreRefused) {
+  HostMemoryTuning t;
+  t.mmap_threshold = size_t{1} << 40;
+  EXPECT_FALSE(tune_host_memory(t));
+}
+
+}  // namespace
+}  // namespace dtrain
