@@ -42,6 +42,18 @@ enum class ReduceOp { kSum, kAvg, kMin, kMax };
 
 enum class Backend { kGloo, kNccl };
 
+// How the Gloo (CPU) backend moves collectives' data (docs/communication.md, "Shared memory").
+enum class Transport {
+  // Shared memory when every rank runs on one host (same kernel, /dev/shm and namespaces),
+  // else Gloo's TCP pairs. DTRAIN_TRANSPORT=auto|gloo|shm sets it through LaunchInfo.
+  kAuto,
+  // Gloo's TCP pairs, also between ranks of one host.
+  kGloo,
+  // POSIX shared memory; make_communicator throws InvalidArgument when ranks are on several
+  // hosts, CommError when no segment can be created.
+  kSharedMemory,
+};
+
 // What ranks compare before every collective (see the contract above). Both levels cost one
 // header message to every peer per collective; kFingerprint compares more of it.
 enum class Consistency {
@@ -56,6 +68,7 @@ enum class Consistency {
 const char* to_string(ReduceOp op);
 const char* to_string(Backend backend);
 const char* to_string(Consistency consistency);
+const char* to_string(Transport transport);  // "auto", "gloo", "shared_memory"
 
 // Per-call options.
 struct CallOptions {
@@ -78,6 +91,14 @@ struct CommunicatorOptions {
   // MASTER_ADDR (Store::network_address): loopback only when the master is loopback;
   // 127.0.0.1 for in-process stores.
   std::string hostname;
+  // Gloo backend: the data path of collectives. Ranks must not ask for kGloo and
+  // kSharedMemory at once (InvalidArgument); kAuto follows the others. Point-to-point calls
+  // always go through Gloo's TCP pairs.
+  Transport transport = Transport::kAuto;
+  // Shared memory: bytes of one rank's buffer in each of the segment's two buffer sets (the
+  // segment holds 2 * world_size of them). Calls move data in chunks of this size, one or
+  // two barriers per chunk. Rank 0's value applies to all.
+  size_t shm_chunk_bytes = 1u << 20;
   // Gloo: largest message piece the ring collectives (all_reduce, reduce_scatter) move at
   // once. reduce_scatter reduces one segment while the next ones are in flight, so smaller
   // segments overlap more of the reduction with the transfer, at a per-message cost.
@@ -98,6 +119,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual Backend backend() const = 0;
+  // The data path collectives take: "gloo", "shared_memory" or "nccl".
+  virtual const char* transport_name() const = 0;
 
   // Replaces `tensor` on every rank by the element-wise reduction over ranks.
   // kAvg requires a floating dtype.

@@ -21,6 +21,8 @@
 // under Open MPI on one host, 127.0.0.1 (across hosts MASTER_ADDR is required: mpirun
 // publishes no host list; pass it with `mpirun -x MASTER_ADDR=host0`); otherwise
 // 127.0.0.1:29500. GLOO_SOCKET_IFNAME (as in PyTorch) names the interface ranks listen on.
+// DTRAIN_TRANSPORT=auto|gloo|shm: the data path of CPU collectives (CommunicatorOptions::
+// transport) where the program leaves it at kAuto.
 // DTRAIN_STORE_TOKEN (optional, at most 1024 bytes): a secret shared by the job's processes;
 // the store refuses a process that does not present it (TcpStoreOptions::token).
 // LaunchInfo::from_env() is the only place dtrain reads these variables.
@@ -57,6 +59,9 @@ struct LaunchInfo {
   // DTRAIN_COLLECTIVE_CHECK: communicator_options raises CommunicatorOptions::consistency to
   // this level, never lowers it.
   Consistency consistency = Consistency::kCheap;
+  // DTRAIN_TRANSPORT: communicator_options sets CommunicatorOptions::transport to this where
+  // the caller left it at kAuto.
+  Transport transport = Transport::kAuto;
 
   // Reads this process's environment by the rules above. Throws dtrain::InvalidArgument
   // naming the variable when one is malformed, missing from an otherwise present
@@ -70,7 +75,7 @@ struct LaunchInfo {
 
   // `options` with what this launch decides filled in where the caller left it unset: the
   // listening interface (socket_interface) and, for NCCL, the device (local_rank); and the
-  // consistency level raised to `consistency`.
+  // consistency level raised to `consistency`; the transport, if left at kAuto.
   CommunicatorOptions communicator_options(CommunicatorOptions options = {}) const;
 };
 

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include "comm/front_end.h"
-#include "comm/gloo/gloo_transport.h"
+#include "comm/shm/setup.h"
 #include "dtrain/config.h"
 #include "dtrain/errors.h"
 #if DTRAIN_HAS_NCCL
@@ -46,6 +46,18 @@ const char* to_string(Consistency consistency) {
   return "?";
 }
 
+const char* to_string(Transport transport) {
+  switch (transport) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kGloo:
+      return "gloo";
+    case Transport::kSharedMemory:
+      return "shared_memory";
+  }
+  return "?";
+}
+
 bool is_backend_available(Backend backend) {
   switch (backend) {
     case Backend::kGloo:
@@ -68,11 +80,16 @@ CommunicatorPtr make_communicator(std::shared_ptr<Store> store, int rank, int wo
       options.consistency != Consistency::kFingerprint) {
     throw InvalidArgument(ctx, "unknown consistency level");
   }
+  if (options.transport != Transport::kAuto && options.transport != Transport::kGloo &&
+      options.transport != Transport::kSharedMemory) {
+    throw InvalidArgument(ctx, "unknown transport");
+  }
   auto failure = std::make_shared<detail::StickyFailure>();
   std::unique_ptr<detail::Transport> transport;
   switch (options.backend) {
     case Backend::kGloo:
-      transport = gloo_backend::make_gloo_transport(store, rank, world_size, options, failure);
+      // Gloo's TCP pairs or shared memory (which also needs Gloo, for send/recv).
+      transport = shm::make_host_transport(store, rank, world_size, options, failure);
       break;
     case Backend::kNccl:
 #if DTRAIN_HAS_NCCL

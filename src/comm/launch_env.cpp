@@ -250,6 +250,15 @@ LaunchInfo LaunchInfo::from_env(const std::map<std::string, std::string>& env) {
       fail(fmt::format("DTRAIN_COLLECTIVE_CHECK='{}': expected cheap or fingerprint", *check));
     }
   }
+  if (const std::string* t = lookup(env, "DTRAIN_TRANSPORT")) {
+    if (*t == "gloo") {
+      info.transport = Transport::kGloo;
+    } else if (*t == "shm" || *t == "shared_memory") {
+      info.transport = Transport::kSharedMemory;
+    } else if (*t != "auto") {
+      fail(fmt::format("DTRAIN_TRANSPORT='{}': expected auto, gloo or shm", *t));
+    }
+  }
   if (const std::string* ifname = lookup(env, "GLOO_SOCKET_IFNAME")) {
     if (ifname->find(',') != std::string::npos)
       fail(fmt::format("GLOO_SOCKET_IFNAME='{}': dtrain listens on one interface; name one",

@@ -131,6 +131,7 @@ CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options
   if (options.device_index < 0 && options.backend == Backend::kNccl)
     options.device_index = local_rank;
   if (consistency > options.consistency) options.consistency = consistency;
+  if (options.transport == Transport::kAuto) options.transport = transport;
   return options;
 }
 

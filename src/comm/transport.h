@@ -48,6 +48,8 @@ class Transport {
   virtual ~Transport() = default;
 
   virtual Backend backend() const = 0;
+  // What Communicator::transport_name() reports.
+  virtual const char* name() const { return to_string(backend()); }
   // Throws InvalidArgument(ctx, "<what>: <why>") unless this backend can move `t` (its
   // device, its dtype). The front end already checked it is defined, dense and contiguous.
   virtual void check_tensor(const at::Tensor& t, const ErrorContext& ctx,

@@ -1,0 +1,50 @@
+// The one synchronisation the shared-memory collectives use: a barrier over the ranks'
+// slots. Rank r announces generation g by storing it in its slot's `arrived` word and waits
+// until every slot holds g or later: no shared counter to reset, and a rank that is ahead
+// never disturbs one that is behind.
+//
+// Waiting spins briefly, then sleeps in futex_wait in slices of at most 20 ms. Between
+// slices it checks the deadline (TimeoutError naming the missing ranks), each missing
+// peer's state (kFailed/kLeft: CommError at once) and, for peers in other processes,
+// whether the process still runs (CommError naming rank and pid). No wait is unbounded.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "comm/shm/host.h"
+#include "comm/shm/segment.h"
+
+namespace dtrain::shm {
+
+using Clock = std::chrono::steady_clock;
+
+class Barrier {
+ public:
+  Barrier(const Segment& segment, int rank);
+
+  // Arrives at the next generation and waits for every rank. `step` names what ranks wait
+  // for in messages ("collective #17", "chunk 3 of all_reduce #17"). Throws TimeoutError
+  // when `deadline` passes, CommError when a missing peer failed, left or died.
+  void arrive_and_wait(Clock::time_point deadline, std::chrono::milliseconds timeout,
+                       const std::string& step);
+
+  // Publishes this rank's state and wakes every peer that sleeps on it.
+  void set_state(RankState state);
+
+ private:
+  void wait_for(int peer, uint32_t generation, Clock::time_point deadline,
+                std::chrono::milliseconds timeout, const std::string& step);
+  [[noreturn]] void fail_missing(uint32_t generation, std::chrono::milliseconds timeout,
+                                 const std::string& step);
+  void check_peer(int peer) const;
+
+  const Segment& segment_;
+  const int rank_;
+  const int world_size_;
+  const int32_t own_pid_;
+  uint32_t generation_ = 0;
+};
+
+}  // namespace dtrain::shm

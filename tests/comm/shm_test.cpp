@@ -1,0 +1,456 @@
+// The shared-memory transport: the collectives matrix (every op x dtype x world size x size,
+// with chunks small enough that calls take many), selection (automatic, forced, refused),
+// the consistency check, and failures: a silent peer, a peer that leaves, a killed process,
+// a stale segment under the name a job would use, nothing left in /dev/shm.
+#include <ATen/ATen.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "comm/shm/segment.h"
+#include "dtrain/communicator.h"
+#include "dtrain/errors.h"
+#include "dtrain/rendezvous.h"
+#include "support/check.h"
+#include "support/expected_values.h"
+#include "support/ranks.h"
+
+namespace dtrain {
+namespace {
+
+using testing::reduce_expected;
+using testing::run_ranks;
+using testing::tolerance;
+using testing::value;
+
+at::Tensor make_input(c10::ScalarType dtype, int64_t n, int rank) {
+  at::Tensor t = at::empty({n}, at::kDouble);
+  auto* p = t.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) p[i] = value(rank, i);
+  return t.to(dtype);
+}
+
+void expect_values(const at::Tensor& got, const std::function<double(int64_t)>& want,
+                   const std::string& what) {
+  at::Tensor d = got.to(at::kDouble).contiguous();
+  const double* p = d.data_ptr<double>();
+  const double tol = tolerance(got.scalar_type());
+  for (int64_t i = 0; i < d.numel(); ++i) {
+    const double w = want(i);
+    DTRAIN_CHECK(std::abs(p[i] - w) <= tol * std::max(1.0, std::abs(w)),
+                 "{}: element {} is {}, expected {}", what, i, p[i], w);
+  }
+}
+
+const std::vector<c10::ScalarType> kAllDtypes = {at::kFloat,    at::kDouble, at::kHalf,
+                                                 at::kBFloat16, at::kByte,   at::kChar,
+                                                 at::kShort,    at::kInt,    at::kLong};
+
+std::vector<int64_t> sizes_for(c10::ScalarType dtype) {
+  std::vector<int64_t> s = {0, 1, 7, 1001};
+  if (dtype == at::kFloat || dtype == at::kBFloat16) s.push_back(3 * 512 * 1024 + 3);
+  return s;
+}
+
+std::vector<ReduceOp> ops_for(c10::ScalarType dtype) {
+  std::vector<ReduceOp> ops = {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax};
+  if (c10::isFloatingType(dtype)) ops.push_back(ReduceOp::kAvg);
+  return ops;
+}
+
+std::string label(const char* op, c10::ScalarType dtype, int64_t n, int rank) {
+  return fmt::format("{} {} n={} rank {}", op, c10::toString(dtype), n, rank);
+}
+
+CommunicatorOptions shm_options(size_t chunk_bytes = 1u << 20) {
+  CommunicatorOptions o;
+  o.transport = Transport::kSharedMemory;
+  o.shm_chunk_bytes = chunk_bytes;
+  return o;
+}
+
+void require_shm(const Communicator& c) {
+  DTRAIN_CHECK(std::string(c.transport_name()) == "shared_memory", "transport is {}",
+               c.transport_name());
+}
+
+// Every collective for every dtype, reduction and size; `sizes` overrides sizes_for.
+void run_matrix(Communicator& c, const std::vector<int64_t>& sizes, const std::string& tag) {
+  require_shm(c);
+  const int world = c.world_size();
+  const int root = world - 1;
+  for (auto dtype : kAllDtypes) {
+    for (int64_t n : sizes.empty() ? sizes_for(dtype) : sizes) {
+      for (ReduceOp op : ops_for(dtype)) {
+        const std::string what = tag + " " + to_string(op);
+        at::Tensor t = make_input(dtype, n, c.rank());
+        c.all_reduce(t, op)->wait();
+        expect_values(
+            t, [&](int64_t i) { return reduce_expected(op, world, i); },
+            label("all_reduce", dtype, n, c.rank()) + what);
+        at::Tensor in = make_input(dtype, n * world, c.rank());
+        at::Tensor before = in.clone();
+        at::Tensor out = at::full({n}, -1, dtype);
+        c.reduce_scatter(out, in, op)->wait();
+        const int64_t base = c.rank() * n;
+        expect_values(
+            out, [&](int64_t i) { return reduce_expected(op, world, base + i); },
+            label("reduce_scatter", dtype, n, c.rank()) + what);
+        DTRAIN_CHECK(at::equal(in, before), "reduce_scatter modified its input");
+      }
+      at::Tensor b = c.rank() == root ? make_input(dtype, n, root) : at::zeros({n}, dtype);
+      c.broadcast(b, root)->wait();
+      expect_values(
+          b, [&](int64_t i) { return value(root, i); }, label("broadcast", dtype, n, c.rank()) + tag);
+      at::Tensor in = make_input(dtype, n, c.rank());
+      at::Tensor out = at::full({n * world}, -1, dtype);
+      c.all_gather(out, in)->wait();
+      auto want = [&](int64_t j) { return value(static_cast<int>(j / n), j % n); };
+      expect_values(out, want, label("all_gather", dtype, n, c.rank()) + tag);
+      at::Tensor flat = at::zeros({n * world}, dtype);
+      flat.narrow(0, c.rank() * n, n).copy_(in);
+      c.all_gather(flat, flat.narrow(0, c.rank() * n, n))->wait();
+      expect_values(flat, want, label("all_gather(in place)", dtype, n, c.rank()) + tag);
+    }
+  }
+  c.barrier()->wait();
+}
+
+class ShmCollectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(ShmCollectives, EveryOpDtypeAndSize) {
+  run_ranks(GetParam(), [&](Communicator& c) { run_matrix(c, {}, ""); }, shm_options());
+}
+
+// 64-byte buffers: every call takes many chunks, slices of a chunk are uneven or empty, and
+// buffer sets alternate across calls.
+TEST_P(ShmCollectives, TinyChunks) {
+  run_ranks(
+      GetParam(), [&](Communicator& c) { run_matrix(c, {1, 7, 33, 1001}, " (64 B chunks)"); },
+      shm_options(64));
+}
+
+// Random floats: each slice lines up with its place, the reduction runs in rank order
+// (bit-identical to summing the ranks' tensors in order), and every rank gets the same bits.
+TEST_P(ShmCollectives, RandomFloatsBitExactInRankOrder) {
+  const int world = GetParam();
+  run_ranks(
+      world,
+      [&](Communicator& c) {
+        for (int64_t n : {int64_t{5}, int64_t{4099}, int64_t{300001}}) {
+          auto input = [&](int r) {
+            return at::sin(at::arange(n, at::kFloat) * (0.37f * static_cast<float>(r + 1))) * 100.0f;
+          };
+          at::Tensor want = input(0);
+          for (int r = 1; r < world; ++r) want = want + input(r);
+          at::Tensor t = input(c.rank());
+          c.all_reduce(t)->wait();
+          DTRAIN_CHECK(at::equal(t, want), "all_reduce n={} differs from the rank-order sum", n);
+          at::Tensor all = at::empty({n * world});
+          c.all_gather(all, t)->wait();
+          for (int r = 0; r < world; ++r)
+            DTRAIN_CHECK(at::equal(all.narrow(0, r * n, n), t), "rank {} got other bits", r);
+        }
+      },
+      shm_options(4096));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmCollectives, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+// --- Selection ---
+
+TEST(ShmSelection, AutomaticOnOneHostForcedGlooAndBothWork) {
+  for (Transport t : {Transport::kAuto, Transport::kGloo, Transport::kSharedMemory}) {
+    CommunicatorOptions o;
+    o.transport = t;
+    run_ranks(
+        2,
+        [&](Communicator& c) {
+          const std::string want = t == Transport::kGloo ? "gloo" : "shared_memory";
+          DTRAIN_CHECK(c.transport_name() == want, "asked {}, got {}", to_string(t),
+                       c.transport_name());
+          DTRAIN_CHECK(c.backend() == Backend::kGloo, "backend");
+          at::Tensor x = at::full({3}, static_cast<float>(c.rank() + 1));
+          c.all_reduce(x)->wait();
+          DTRAIN_CHECK(x[0].item<float>() == 3.0f, "sum");
+          // Send/recv stay on Gloo, ordered after the collectives issued before them.
+          at::Tensor p = at::full({4}, static_cast<float>(c.rank()));
+          auto work = c.rank() == 0 ? c.send(p, 1, 5) : c.recv(p, 0, 5);
+          work->wait();
+          DTRAIN_CHECK(p[0].item<float>() == 0.0f, "recv");
+        },
+        o);
+  }
+}
+
+TEST(ShmSelection, RanksAskingForDifferentTransportsAreRefusedOnEveryRank) {
+  auto store = make_memory_store();
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      CommunicatorOptions o;
+      o.timeout = std::chrono::milliseconds(5000);
+      o.transport = r == 0 ? Transport::kGloo : Transport::kSharedMemory;
+      try {
+        make_communicator(store, r, 2, o);
+      } catch (const InvalidArgument& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rank 0 asks for transport gloo, rank 1 for shared_memory"),
+              std::string::npos)
+        << e;
+  }
+}
+
+TEST(ShmSelection, LaunchInfoReadsDtrainTransport) {
+  EXPECT_EQ(LaunchInfo::from_env({}).transport, Transport::kAuto);
+  EXPECT_EQ(LaunchInfo::from_env({{"DTRAIN_TRANSPORT", "gloo"}}).transport, Transport::kGloo);
+  EXPECT_EQ(LaunchInfo::from_env({{"DTRAIN_TRANSPORT", "shm"}}).transport,
+            Transport::kSharedMemory);
+  EXPECT_EQ(LaunchInfo::from_env({{"DTRAIN_TRANSPORT", "auto"}}).transport, Transport::kAuto);
+  try {
+    LaunchInfo::from_env({{"DTRAIN_TRANSPORT", "tcp"}});
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("DTRAIN_TRANSPORT='tcp'"), std::string::npos) << e.what();
+  }
+  LaunchInfo info = LaunchInfo::from_env({{"DTRAIN_TRANSPORT", "gloo"}});
+  EXPECT_EQ(info.communicator_options().transport, Transport::kGloo);
+  CommunicatorOptions own;
+  own.transport = Transport::kSharedMemory;  // the program's choice wins
+  EXPECT_EQ(info.communicator_options(own).transport, Transport::kSharedMemory);
+}
+
+// --- Consistency and failures ---
+
+TEST(ShmFailure, DifferentSizesGiveDesyncErrorOnEveryRank) {
+  run_ranks(
+      3,
+      [&](Communicator& c) {
+        at::Tensor t = at::ones({1024 >> c.rank()});
+        try {
+          c.all_reduce(t)->wait();
+        } catch (const DesyncError& e) {
+          const std::string m = e.what();
+          DTRAIN_CHECK(m.find("rank 0 issued all_reduce #0 float32[1024] sum") != std::string::npos,
+                       "{}", m);
+          DTRAIN_CHECK(at::equal(t, at::ones_like(t)), "data moved after a desync");
+          return;
+        }
+        DTRAIN_CHECK(false, "no DesyncError");
+      },
+      shm_options());
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+TEST(ShmFailure, SilentPeerTimesOutNamingItAndTheErrorSticks) {
+  CommunicatorOptions o = shm_options();
+  o.timeout = std::chrono::milliseconds(800);
+  run_ranks(
+      3,
+      [&](Communicator& c) {
+        if (c.rank() == 2) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+          return;
+        }
+        at::Tensor t = at::ones({1 << 20});
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          c.all_reduce(t)->wait();
+          DTRAIN_CHECK(false, "no timeout");
+        } catch (const TimeoutError& e) {
+          const std::string m = e.what();
+          DTRAIN_CHECK(m.find(fmt::format("rank {}/3 all_reduce #0", c.rank())) != std::string::npos &&
+                           m.find("rank(s) 2 did not reach collective #0 within 800 ms") !=
+                               std::string::npos,
+                       "{}", m);
+        } catch (const CommError& e) {
+          // The other waiting rank may see the first one fail before its own deadline.
+          DTRAIN_CHECK(std::string(e.what()).find("failed (its communicator broke)") !=
+                           std::string::npos,
+                       "{}", e.what());
+        }
+        DTRAIN_CHECK(seconds_since(start) < 2 * 0.8, "took {} s", seconds_since(start));
+        try {
+          c.barrier()->wait();
+          DTRAIN_CHECK(false, "barrier on a broken communicator succeeded");
+        } catch (const CommError& e) {
+          DTRAIN_CHECK(std::string(e.what()).find("failed earlier, at all_reduce #0") !=
+                           std::string::npos,
+                       "{}", e.what());
+        }
+      },
+      o);
+}
+
+TEST(ShmFailure, PeerThatLeavesMakesOthersFailAtOnce) {
+  CommunicatorOptions o = shm_options();
+  o.timeout = std::chrono::milliseconds(20000);
+  auto store = make_memory_store();
+  std::string error;
+  double elapsed = 0;
+  std::thread leaver([&] { make_communicator(store, 1, 2, o); });
+  std::thread stayer([&] {
+    auto c = make_communicator(store, 0, 2, o);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      at::Tensor t = at::ones({1024});
+      c->all_reduce(t)->wait();
+    } catch (const CommError& e) {
+      error = e.what();
+    }
+    elapsed = seconds_since(start);
+  });
+  leaver.join();
+  stayer.join();
+  EXPECT_NE(error.find("rank 1 left: its communicator was destroyed"), std::string::npos) << error;
+  EXPECT_LT(elapsed, 1.0);
+}
+
+// Entries of /dev/shm this process's segments would use ("dtrain-<uid>-<pid>-").
+std::vector<std::string> own_segments(int pid = getpid()) {
+  std::vector<std::string> out;
+  const std::string prefix = fmt::format("dtrain-{}-{}-", getuid(), pid);
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) out.push_back(e->d_name);
+    }
+    closedir(d);
+  }
+  return out;
+}
+
+TEST(ShmSegment, NamesAreUnlinkedOnceEveryRankMappedThem) {
+  const auto before = own_segments();
+  run_ranks(
+      3,
+      [&](Communicator& c) {
+        c.barrier()->wait();
+        DTRAIN_CHECK(own_segments() == before, "a segment name is still in /dev/shm");
+        at::Tensor t = at::ones({100});
+        c.all_reduce(t)->wait();
+      },
+      shm_options());
+  EXPECT_EQ(own_segments(), before);
+}
+
+// A crashed job's segment under the exact name the next job would use: never opened, never
+// removed, and the new job gets a fresh name.
+TEST(ShmSegment, StaleSegmentUnderTheSameNameIsNeverUsed) {
+  const std::string stale = shm::segment_name("00000000deadbeef");
+  const int fd = shm_open(stale.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0) << stale;
+  ASSERT_EQ(ftruncate(fd, 1 << 16), 0);
+  const char garbage[] = "left by a job that crashed";
+  ASSERT_EQ(pwrite(fd, garbage, sizeof(garbage), 0), static_cast<ssize_t>(sizeof(garbage)));
+  close(fd);
+  try {
+    shm::Segment::create(stale, 2, 4096);
+    ADD_FAILURE() << "created over a stale segment";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("exists: a stale or foreign segment"), std::string::npos)
+        << e.what();
+  }
+  try {
+    shm::Segment::open(stale, 2);
+    ADD_FAILURE() << "opened a foreign segment";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a dtrain segment"), std::string::npos) << e.what();
+  }
+  std::vector<std::string> ids = {"00000000deadbeef", "0000000000c0ffee"};
+  size_t next = 0;
+  {
+    shm::Segment fresh = shm::create_unique_segment(2, 4096, [&] { return ids[next++]; });
+    EXPECT_EQ(fresh.name(), shm::segment_name("0000000000c0ffee"));
+    EXPECT_TRUE(shm::unlink_segment(fresh.name()));
+  }
+  // The stale one is untouched.
+  const int again = shm_open(stale.c_str(), O_RDONLY, 0);
+  ASSERT_GE(again, 0);
+  char head[sizeof(garbage)] = {};
+  EXPECT_EQ(pread(again, head, sizeof(head), 0), static_cast<ssize_t>(sizeof(head)));
+  close(again);
+  EXPECT_STREQ(head, garbage);
+  EXPECT_TRUE(shm::unlink_segment(stale));
+}
+
+// --- Processes ---
+
+std::vector<testing::Process> spawn_shm_job(int world, const std::string& scenario,
+                                            int timeout_ms) {
+  const int port = testing::free_port();
+  std::vector<testing::Process> ps;
+  for (int r = 0; r < world; ++r) {
+    auto env = testing::rank_env(r, world, port);
+    env["DTRAIN_TRANSPORT"] = "shm";
+    ps.push_back(
+        testing::spawn_process({DTRAIN_TEST_WORKER, scenario, std::to_string(timeout_ms)}, env));
+  }
+  return ps;
+}
+
+bool log_has(const std::string& path, const std::string& s) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str().find(s) != std::string::npos;
+}
+
+TEST(ShmProcesses, CollectivesAcrossProcesses) {
+  auto ps = spawn_shm_job(3, "collectives", 20000);
+  for (int r = 0; r < 3; ++r) {
+    auto res = testing::wait_process(ps[static_cast<size_t>(r)], 90);
+    EXPECT_EQ(res.exit_code, 0) << "rank " << r << ":\n" << res.output;
+  }
+}
+
+// SIGKILL one rank mid-loop: the others fail from its pid's death, long before their 20 s
+// timeout (the killed rank stays a zombie until we reap it, which must not look alive), and
+// nothing of the job is left in /dev/shm.
+TEST(ShmProcesses, KilledRankMakesTheOthersFailNamingIt) {
+  const int timeout_ms = 20000;
+  auto ps = spawn_shm_job(3, "loop", timeout_ms);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!(log_has(ps[0].log_path, "looping") && log_has(ps[1].log_path, "looping") &&
+           log_has(ps[2].log_path, "looping"))) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "ranks never started looping";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  kill(ps[1].pid, SIGKILL);
+  const auto killed_at = std::chrono::steady_clock::now();
+  for (int r : {0, 2}) {
+    auto res = testing::wait_process(ps[static_cast<size_t>(r)], 30);
+    EXPECT_EQ(res.exit_code, 3) << res.output;  // CommError
+    EXPECT_NE(res.output.find(fmt::format("rank {}/3 all_reduce", r)), std::string::npos)
+        << res.output;
+    // Rank 0 sees rank 1 die; rank 2 may see that, or rank 0 failing first.
+    EXPECT_TRUE(res.output.find("rank 1 (pid ") != std::string::npos ||
+                res.output.find("rank 0 failed") != std::string::npos)
+        << res.output;
+  }
+  EXPECT_LT(seconds_since(killed_at), 5.0);
+  testing::wait_process(ps[1], 5);
+  for (const auto& p : ps) EXPECT_TRUE(own_segments(p.pid).empty());
+}
+
+}  // namespace
+}  // namespace dtrain
