@@ -157,27 +157,24 @@ WorkPtr FrontEnd::barrier(const CallOptions& options) {
 }
 
 WorkPtr FrontEnd::send(at::Tensor tensor, int dst, uint32_t tag, const CallOptions& options) {
-  check_tensor(tensor, "send", "tensor");
-  check_rank(dst, "send", "peer rank", true);
-  PointToPoint call;
-  call.is_send = true;
-  call.tensor = tensor;
-  call.peer = dst;
-  call.tag = tag;
-  call.context = context("send");
-  call.timeout = call_timeout(options);
-  return issue(std::move(call));
+  return point_to_point(true, std::move(tensor), dst, tag, options);
 }
 
 WorkPtr FrontEnd::recv(at::Tensor tensor, int src, uint32_t tag, const CallOptions& options) {
-  check_tensor(tensor, "recv", "tensor");
-  check_rank(src, "recv", "peer rank", true);
+  return point_to_point(false, std::move(tensor), src, tag, options);
+}
+
+WorkPtr FrontEnd::point_to_point(bool is_send, at::Tensor tensor, int peer, uint32_t tag,
+                                 const CallOptions& options) {
+  const char* op = is_send ? "send" : "recv";
+  check_tensor(tensor, op, "tensor");
+  check_rank(peer, op, "peer rank", true);
   PointToPoint call;
-  call.is_send = false;
-  call.tensor = tensor;
-  call.peer = src;
+  call.is_send = is_send;
+  call.tensor = std::move(tensor);
+  call.peer = peer;
   call.tag = tag;
-  call.context = context("recv");
+  call.context = context(op);
   call.timeout = call_timeout(options);
   return issue(std::move(call));
 }

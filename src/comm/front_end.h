@@ -47,6 +47,9 @@ class FrontEnd final : public Communicator {
   // Numbers the call, fills in its header and hands it to the transport, as one step.
   WorkPtr issue(Collective call, const at::Tensor& described, bool reduces);
   WorkPtr issue(PointToPoint call);
+  // send and recv: the same checks and numbering, one direction flag.
+  WorkPtr point_to_point(bool is_send, at::Tensor tensor, int peer, uint32_t tag,
+                         const CallOptions& options);
 
   const int rank_;
   const int world_size_;

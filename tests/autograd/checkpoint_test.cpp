@@ -134,23 +134,34 @@ TEST(ActivationCheckpoint, UndefinedInputIsRefused) {
                InvalidArgument);
 }
 
-// Two ranks, each a checkpointed and a plain replica under DataParallel: after three SGD
-// steps on the same data the parameters agree. No dropout here: thread ranks share the
-// process's CPU generator, so their draws would interleave differently in the two runs.
-TEST(ActivationCheckpoint, DataParallelHooksFireFromTheRecompute) {
-  torch::manual_seed(9);
-  const at::Tensor idx = at::randint(40, {4, 8}, at::kLong);
-  const at::Tensor targets = at::randint(40, {4, 8}, at::kLong);
-  std::vector<DropoutNet> plain, ckpt;
-  for (int r = 0; r < 2; ++r) {
-    plain.emplace_back(false, 0.0);
-    ckpt.emplace_back(true, 0.0);
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < plain[r]->parameters().size(); ++i) {
-      ckpt[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
-      plain[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
+// Two ranks' plain and checkpointed replicas, all with the same weights, and a global batch
+// of 4 sequences (2 per rank). No dropout: thread ranks share the process's CPU generator,
+// so their draws would interleave differently in the two runs.
+struct Replicas {
+  Replicas() {
+    torch::manual_seed(9);
+    idx = at::randint(40, {4, 8}, at::kLong);
+    targets = at::randint(40, {4, 8}, at::kLong);
+    for (int r = 0; r < 2; ++r) {
+      plain.emplace_back(false, 0.0);
+      ckpt.emplace_back(true, 0.0);
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < plain[r]->parameters().size(); ++i) {
+        ckpt[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
+        plain[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
+      }
     }
   }
+  at::Tensor idx, targets;
+  std::vector<DropoutNet> plain, ckpt;
+};
+
+// Two ranks, each a checkpointed and a plain replica under DataParallel: after three SGD
+// steps on the same data the parameters agree.
+TEST(ActivationCheckpoint, DataParallelHooksFireFromTheRecompute) {
+  const Replicas m;
+  const at::Tensor &idx = m.idx, &targets = m.targets;
+  const auto &plain = m.plain, &ckpt = m.ckpt;
   auto train = [&](Communicator& comm, DropoutNet net) {
     at::set_num_threads(1);
     const int r = comm.rank();
@@ -177,19 +188,9 @@ TEST(ActivationCheckpoint, DataParallelHooksFireFromTheRecompute) {
 // The same under FSDP with a unit per block: the checkpointed units are gathered again for
 // the recompute and reduce-scatter the recomputed gradients.
 TEST(ActivationCheckpoint, FsdpUnitsAreGatheredForTheRecompute) {
-  torch::manual_seed(9);
-  const at::Tensor idx = at::randint(40, {4, 8}, at::kLong);
-  const at::Tensor targets = at::randint(40, {4, 8}, at::kLong);
-  std::vector<DropoutNet> plain, ckpt;
-  for (int r = 0; r < 2; ++r) {
-    plain.emplace_back(false, 0.0);
-    ckpt.emplace_back(true, 0.0);
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < plain[r]->parameters().size(); ++i) {
-      ckpt[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
-      plain[r]->parameters()[i].copy_(plain[0]->parameters()[i]);
-    }
-  }
+  const Replicas m;
+  const at::Tensor &idx = m.idx, &targets = m.targets;
+  const auto &plain = m.plain, &ckpt = m.ckpt;
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> plain_state(2), ckpt_state(2);
   auto train = [&](Communicator& comm, DropoutNet net, std::vector<std::pair<std::string, at::Tensor>>& state) {
     at::set_num_threads(1);
