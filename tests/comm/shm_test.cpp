@@ -279,7 +279,7 @@ TEST(ShmFailure, SilentPeerTimesOutNamingItAndTheErrorSticks) {
         } catch (const TimeoutError& e) {
           const std::string m = e.what();
           DTRAIN_CHECK(m.find(fmt::format("rank {}/3 all_reduce #0", c.rank())) != std::string::npos &&
-                           m.find("rank(s) 2 did not reach collective #0 within 800 ms") !=
+                           m.find("rank(s) 2 did not issue collective #0 within 800 ms") !=
                                std::string::npos,
                        "{}", m);
         } catch (const CommError& e) {

@@ -24,8 +24,8 @@ class Barrier {
  public:
   Barrier(const Segment& segment, int rank);
 
-  // Arrives at the next generation and waits for every rank. `step` names what ranks wait
-  // for in messages ("collective #17", "chunk 3 of all_reduce #17"). Throws TimeoutError
+  // Arrives at the next generation and waits for every rank. `step` says what late ranks
+  // did not do ("issue collective #17", "reach chunk 3/8 of all_reduce #17"). Throws TimeoutError
   // when `deadline` passes, CommError when a missing peer failed, left or died.
   void arrive_and_wait(Clock::time_point deadline, std::chrono::milliseconds timeout,
                        const std::string& step);

@@ -97,7 +97,7 @@ class ShmTransport final : public detail::Transport {
     segment_.slot(rank_).headers[seq % 2] = call.header;
     // Every rank wrote its header before arriving; none rewrites headers[seq % 2] before
     // all passed the next call's barrier, i.e. after everyone compared these.
-    barrier_.arrive_and_wait(deadline, call.timeout, fmt::format("collective #{}", seq));
+    barrier_.arrive_and_wait(deadline, call.timeout, fmt::format("issue collective #{}", seq));
     std::vector<detail::CallHeader> headers(static_cast<size_t>(world_size_));
     for (int r = 0; r < world_size_; ++r) headers[static_cast<size_t>(r)] = segment_.slot(r).headers[seq % 2];
     if (auto cause = detail::find_mismatch(headers)) throw DesyncError(*cause);
