@@ -275,12 +275,17 @@ int bench_main(int argc, char** argv, Flags& flags,
   double timeout_s = 120;
   int64_t segment_bytes = static_cast<int64_t>(CommunicatorOptions{}.gloo_max_segment_bytes);
   std::string iface;
+  std::string transport = "auto";
+  int64_t shm_chunk_bytes = static_cast<int64_t>(CommunicatorOptions{}.shm_chunk_bytes);
   flags.add("nproc", &nproc,
             "ranks (processes) to run on this host; ignored when started by a launcher (RANK "
             "set)");
   flags.add("timeout_s", &timeout_s, "communicator timeout (connect and each call), seconds");
   flags.add("gloo_segment_bytes", &segment_bytes,
             "CommunicatorOptions::gloo_max_segment_bytes (all-reduce pipelining piece)");
+  flags.add("transport", &transport,
+            "CommunicatorOptions::transport: auto (shared memory on one host), gloo or shm");
+  flags.add("shm_chunk_bytes", &shm_chunk_bytes, "CommunicatorOptions::shm_chunk_bytes");
   flags.add("gloo_iface", &iface, "CommunicatorOptions::interface (empty: GLOO_SOCKET_IFNAME, else the interface that routes to MASTER_ADDR)");
 
   // One intra-op thread per rank: several ranks share this host's cores.
@@ -353,14 +358,26 @@ int bench_main(int argc, char** argv, Flags& flags,
     options.gloo_max_segment_bytes = static_cast<size_t>(segment_bytes);
     options.interface = iface;
     options.name = "bench";
+    if (transport == "gloo") {
+      options.transport = Transport::kGloo;
+    } else if (transport == "shm" || transport == "shared_memory") {
+      options.transport = Transport::kSharedMemory;
+    } else if (transport != "auto") {
+      throw std::invalid_argument("--transport=" + transport + ": expected auto, gloo or shm");
+    }
+    options.shm_chunk_bytes = static_cast<size_t>(shm_chunk_bytes);
     CommunicatorPtr comm = init_communicator(info, options);
     const std::string where = iface.empty() ? info.communicator_options(options).interface : iface;
     if (info.rank == 0) {
-      std::fprintf(stderr, "%s: %d ranks (processes), Gloo over %s, %d intra-op thread(s)\n",
-                   argv[0], info.world_size,
-                   where.empty() ? ("TCP to " + info.master_addr).c_str() : where.c_str(),
+      const bool shm = std::string(comm->transport_name()) == "shared_memory";
+      std::fprintf(stderr, "%s: %d ranks (processes), %s, %d intra-op thread(s)\n", argv[0],
+                   info.world_size,
+                   shm ? "shared memory"
+                       : ("Gloo over " + (where.empty() ? "TCP to " + info.master_addr : where))
+                             .c_str(),
                    at::get_num_threads());
     }
+    benchmark::AddCustomContext("transport", comm->transport_name());
     register_benchmarks(*comm);
     if (info.rank == 0) {
       benchmark::RunSpecifiedBenchmarks();

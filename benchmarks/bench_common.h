@@ -84,8 +84,8 @@ bool all_ranks_ok(Communicator& comm, bool ok, std::string* failed_ranks);
 // benchmarks and waits for the spawned ranks. Returns the program's exit status: 0 only if
 // every rank finished with no failed benchmark.
 //
-// Common flags (added to `flags` here): --nproc, --timeout_s, --gloo_segment_bytes,
-// --gloo_iface.
+// Common flags (added to `flags` here): --nproc, --timeout_s, --transport (auto|gloo|shm),
+// --shm_chunk_bytes, --gloo_segment_bytes, --gloo_iface.
 int bench_main(int argc, char** argv, Flags& flags,
                const std::function<void(Communicator&)>& register_benchmarks);
 

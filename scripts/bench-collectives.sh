@@ -14,6 +14,8 @@
 #   OUT=report/bench         output folder
 #   DTRAIN_BUILD_DIR=build   build folder (scripts/build.sh)
 #   WORLD_SIZES="2 4"        ranks (processes) of the collectives runs
+#   TRANSPORT=auto           --transport of dtrain's benchmarks: auto (shared memory on one
+#                            host), gloo (TCP loopback) or shm
 #   MAX_BYTES=268435456      largest message (256 MiB)
 #   TARGET_BYTES=1073741824  iterations per size = TARGET_BYTES / size, clamped to [3, 100]
 #   OVERLAP_ARGS=--sleep_ms=20  extra flags for dtrain_bench_overlap (--unit_bytes=...,
@@ -26,6 +28,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/report/bench}"
 build="${DTRAIN_BUILD_DIR:-$root/build}"
 world_sizes="${WORLD_SIZES:-2 4}"
+transport="${TRANSPORT:-auto}"
 max_bytes="${MAX_BYTES:-268435456}"
 target_bytes="${TARGET_BYTES:-1073741824}"
 min_iters=3
@@ -72,7 +75,7 @@ csv_to_dat() {
 }
 
 for n in $world_sizes; do
-  cmd=("$bin/dtrain_bench_collectives" --nproc="$n" --max_bytes="$max_bytes"
+  cmd=("$bin/dtrain_bench_collectives" --nproc="$n" --transport="$transport" --max_bytes="$max_bytes"
     --target_bytes="$target_bytes" --min_iters="$min_iters" --max_iters="$max_iters"
     --benchmark_out="$out/collectives_np$n.json" --benchmark_out_format=json
     --benchmark_format=csv)
@@ -83,7 +86,7 @@ for n in $world_sizes; do
   csv_to_dat "$out/collectives_np$n.csv" ""
 done
 
-cmd=("$bin/dtrain_bench_overlap" --nproc=2 ${OVERLAP_ARGS---sleep_ms=20}
+cmd=("$bin/dtrain_bench_overlap" --nproc=2 --transport="$transport" ${OVERLAP_ARGS---sleep_ms=20}
   --benchmark_out="$out/overlap.json" --benchmark_out_format=json --benchmark_format=csv)
 echo "+ ${cmd[*]#"$root/"}" | tee -a "$out/env.txt" >&2
 start=$(date +%s)
