@@ -74,7 +74,9 @@ using WrapPolicy = std::function<bool(const std::string& name, const torch::nn::
 // Wraps every submodule whose name() (the C++ type name LibTorch records, e.g. "BlockImpl"
 // or the name given to Module's constructor) contains `type_name`.
 WrapPolicy wrap_modules_named(std::string type_name);
-// Wraps every submodule holding at least `min_params` parameters itself, outermost first.
+// Wraps every submodule whose subtree (its own parameters and its children's, as PyTorch's
+// size_based_auto_wrap_policy counts) holds at least `min_params` parameters; a qualifying
+// module's qualifying children become units nested in it.
 WrapPolicy wrap_by_min_params(int64_t min_params);
 
 struct FsdpOptions {

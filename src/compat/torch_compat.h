@@ -3,7 +3,6 @@
 // calls these helpers instead of version-specific APIs.
 #pragma once
 
-#include <torch/version.h>
 
 #include <memory>
 #include <sstream>
@@ -13,10 +12,6 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
-
-#define DTRAIN_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||         \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace dtrain::compat {
 

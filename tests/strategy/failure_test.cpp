@@ -143,6 +143,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 enum class Kind { kDdp, kFsdp };
 enum class Where { kForward, kBackward, kBackwardBeforeAnyHook, kHookContinuation };
+void PrintTo(Kind k, std::ostream* os) { *os << (k == Kind::kDdp ? "ddp" : "fsdp"); }
 
 struct FailureCase {
   std::string name;

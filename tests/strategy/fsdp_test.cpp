@@ -38,6 +38,7 @@ struct FsdpCase {
   c10::optional<c10::ScalarType> param_dtype;
   double rtol = 1e-5, atol = 1e-6;
 };
+void PrintTo(const FsdpCase& c, std::ostream* os) { *os << c.name; }
 
 // Runs `fn(rank, world_comm, groups)` on `world` threads; hybrid groups of `group_size`.
 void run_with_groups(int world, int group_size,

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -34,13 +35,14 @@ struct Case {
   bool accumulate = false;  // two micro-batches per step, the first under no_sync
   bool skip_extra = false;  // the MLP's extra branch is used on even steps only
   bool find_unused = false;
-  bool set_to_none = false;
-  double clip = 0;  // clip_grad_norm(clip) before each step when > 0  // reset .grad to undefined
-                    // instead of zeroing (2.x zero_grad)
+  bool set_to_none = false;  // reset .grad to undefined instead of zeroing (2.x zero_grad)
+  double clip = 0;           // clip_grad_norm(clip) before each step when > 0
   double rtol = 1e-5;
   double atol = 1e-6;
   double bucket_mb = 25, first_bucket_mb = 1;
 };
+// Test names and failure messages show the case's name, not its bytes.
+inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 inline std::shared_ptr<torch::nn::Module> make_model(Model m, uint64_t seed) {
   torch::manual_seed(seed);
