@@ -13,10 +13,13 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
+#include "comm/front_end.h"
 #include "comm/shm/segment.h"
+#include "comm/shm/setup.h"
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
@@ -78,14 +81,15 @@ CommunicatorOptions shm_options(size_t chunk_bytes = 1u << 20) {
   return o;
 }
 
-void require_shm(const Communicator& c) {
-  DTRAIN_CHECK(std::string(c.transport_name()) == "shared_memory", "transport is {}",
-               c.transport_name());
+void require_transport(const Communicator& c, const std::string& name) {
+  DTRAIN_CHECK(c.transport_name() == name, "transport is {}, expected {}", c.transport_name(),
+               name);
 }
 
 // Every collective for every dtype, reduction and size; `sizes` overrides sizes_for.
-void run_matrix(Communicator& c, const std::vector<int64_t>& sizes, const std::string& tag) {
-  require_shm(c);
+void run_matrix(Communicator& c, const std::vector<int64_t>& sizes, const std::string& tag,
+                const std::string& transport = "shared_memory") {
+  require_transport(c, transport);
   const int world = c.world_size();
   const int root = world - 1;
   for (auto dtype : kAllDtypes) {
@@ -166,6 +170,92 @@ TEST_P(ShmCollectives, RandomFloatsBitExactInRankOrder) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmCollectives, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
+
+// --- Several hosts: shared memory inside each, Gloo between leaders ---
+
+// Thread ranks that claim the host identities `hosts[rank]`.
+void run_fake_hosts(const std::vector<std::string>& hosts,
+                    const std::function<void(Communicator&)>& fn, const CommunicatorOptions& o) {
+  auto store = make_memory_store();
+  const int world = static_cast<int>(hosts.size());
+  std::mutex mu;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto failure = std::make_shared<detail::StickyFailure>();
+        auto t = shm::make_host_transport(store, r, world, o, failure,
+                                          hosts[static_cast<size_t>(r)]);
+        detail::FrontEnd comm(r, world, o, failure, std::move(t));
+        fn(comm);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+class ShmHierarchical : public ::testing::TestWithParam<std::vector<std::string>> {};
+
+TEST_P(ShmHierarchical, EveryOpDtypeAndSize) {
+  CommunicatorOptions o = shm_options(256);  // several chunks per call
+  o.transport = Transport::kAuto;
+  if (GetParam().size() == 2) o.transport = Transport::kSharedMemory;  // one rank per host
+  run_fake_hosts(
+      GetParam(), [&](Communicator& c) { run_matrix(c, {0, 1, 7, 1001}, "", "hierarchical"); },
+      o);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ShmHierarchical,
+                         ::testing::Values(std::vector<std::string>{"A", "A", "B", "B"},
+                                           std::vector<std::string>{"A", "B", "A", "B"},
+                                           std::vector<std::string>{"A", "B"}),
+                         [](const auto& info) {
+                           std::string name;
+                           for (const auto& h : info.param) name += h;
+                           return name;
+                         });
+
+TEST(ShmHierarchicalSelection, UnevenHostsUseGlooOrAreRefused) {
+  const std::vector<std::string> hosts = {"A", "A", "B"};
+  run_fake_hosts(
+      hosts, [&](Communicator& c) { require_transport(c, "gloo"); }, CommunicatorOptions{});
+  run_fake_hosts(
+      {"A", "B"}, [&](Communicator& c) { require_transport(c, "gloo"); }, CommunicatorOptions{});
+  try {
+    run_fake_hosts(hosts, [&](Communicator&) {}, shm_options());
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("needs the same number of ranks on every host"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Rank 3 (host B) disagrees: host B raises DesyncError, its leader tells host A's leader,
+// and host A fails at once, long before the 20 s timeout.
+TEST(ShmHierarchicalSelection, DesyncOnOneHostFailsEveryHostAtOnce) {
+  CommunicatorOptions o;
+  o.timeout = std::chrono::milliseconds(20000);
+  const auto start = std::chrono::steady_clock::now();
+  run_fake_hosts(
+      {"A", "A", "B", "B"},
+      [&](Communicator& c) {
+        at::Tensor t = at::ones({c.rank() == 3 ? 512 : 1024});
+        try {
+          c.all_reduce(t)->wait();
+        } catch (const CommError&) {
+          return;
+        }
+        DTRAIN_CHECK(false, "rank {}: no error", c.rank());
+      },
+      o);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+}
 
 // --- Selection ---
 

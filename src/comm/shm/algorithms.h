@@ -13,6 +13,7 @@
 #include <string>
 
 #include "comm/gloo/reduce_ops.h"
+#include "comm/transport.h"
 #include "comm/shm/barrier.h"
 #include "comm/shm/segment.h"
 
@@ -50,6 +51,13 @@ class Steps {
   const std::chrono::milliseconds timeout_;
   const std::string label_;
 };
+
+// The consistency check through the segment: writes this rank's header of `call`, waits at
+// the call's first barrier (TimeoutError "rank(s) 2 did not issue collective #17 ..."), and
+// throws DesyncError (find_mismatch) unless every rank's header agrees. Headers alternate
+// between two slots, so none is rewritten before every rank compared it.
+void check_headers(const Segment& segment, Barrier& barrier, int rank,
+                   const detail::Collective& call, Clock::time_point deadline);
 
 // Number of chunks of `per_chunk` elements covering `n`.
 inline size_t chunk_count(size_t n, size_t per_chunk) { return (n + per_chunk - 1) / per_chunk; }

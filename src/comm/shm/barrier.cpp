@@ -48,11 +48,12 @@ inline void cpu_relax() {
 
 }  // namespace
 
-Barrier::Barrier(const Segment& segment, int rank)
+Barrier::Barrier(const Segment& segment, int rank, std::vector<int> global_ranks)
     : segment_(segment),
       rank_(rank),
       world_size_(segment.world_size()),
-      own_pid_(static_cast<int32_t>(getpid())) {}
+      own_pid_(static_cast<int32_t>(getpid())),
+      global_ranks_(std::move(global_ranks)) {}
 
 void Barrier::set_state(RankState state) {
   RankSlot& me = segment_.slot(rank_);
@@ -97,21 +98,21 @@ void Barrier::check_peer(int peer) const {
   const auto state = static_cast<RankState>(p.state.load());
   if (state == RankState::kFailed) {
     throw CommError(fmt::format("rank {} failed (its communicator broke) and will not take part",
-                                peer));
+                                global(peer)));
   }
   if (state == RankState::kLeft) {
-    throw CommError(fmt::format("rank {} left: its communicator was destroyed", peer));
+    throw CommError(fmt::format("rank {} left: its communicator was destroyed", global(peer)));
   }
   const ProcessId id{p.pid.load(), p.start_time.load()};
   if (id.pid != own_pid_ && !process_alive(id)) {
-    throw CommError(fmt::format("rank {} (pid {}) exited or was killed", peer, id.pid));
+    throw CommError(fmt::format("rank {} (pid {}) exited or was killed", global(peer), id.pid));
   }
 }
 
 void Barrier::fail_missing(uint32_t g, std::chrono::milliseconds timeout, const std::string& step) {
   std::vector<int> missing;
   for (int r = 0; r < world_size_; ++r) {
-    if (!reached(segment_.slot(r).arrived.load(), g)) missing.push_back(r);
+    if (!reached(segment_.slot(r).arrived.load(), g)) missing.push_back(global(r));
   }
   throw TimeoutError(fmt::format("rank(s) {} did not {} within {} ms (slow, hung, or they "
                                  "issued fewer collectives)",

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "comm/shm/host.h"
 #include "comm/shm/segment.h"
@@ -22,7 +23,9 @@ using Clock = std::chrono::steady_clock;
 
 class Barrier {
  public:
-  Barrier(const Segment& segment, int rank);
+  // `global_ranks[r]`: the communicator rank of segment rank r, for messages (empty: the
+  // same numbers; the hierarchical transport's segments hold one host's ranks).
+  Barrier(const Segment& segment, int rank, std::vector<int> global_ranks = {});
 
   // Arrives at the next generation and waits for every rank. `step` says what late ranks
   // did not do ("issue collective #17", "reach chunk 3/8 of all_reduce #17"). Throws TimeoutError
@@ -39,11 +42,13 @@ class Barrier {
   [[noreturn]] void fail_missing(uint32_t generation, std::chrono::milliseconds timeout,
                                  const std::string& step);
   void check_peer(int peer) const;
+  int global(int r) const { return global_ranks_.empty() ? r : global_ranks_[static_cast<size_t>(r)]; }
 
   const Segment& segment_;
   const int rank_;
   const int world_size_;
   const int32_t own_pid_;
+  const std::vector<int> global_ranks_;
   uint32_t generation_ = 0;
 };
 

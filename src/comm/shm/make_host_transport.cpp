@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "comm/gloo/gloo_transport.h"
+#include "comm/shm/hierarchical_transport.h"
 #include "comm/shm/host.h"
 #include "comm/shm/setup.h"
 #include "comm/shm/shm_transport.h"
@@ -41,9 +42,16 @@ std::string first_word(const std::string& s) { return s.substr(0, s.find(' ')); 
 std::unique_ptr<detail::Transport> make_host_transport(
     std::shared_ptr<Store> store, int rank, int world, const CommunicatorOptions& options,
     std::shared_ptr<detail::StickyFailure> failure) {
+  return make_host_transport(std::move(store), rank, world, options, std::move(failure),
+                             host_identity());
+}
+
+std::unique_ptr<detail::Transport> make_host_transport(
+    std::shared_ptr<Store> store, int rank, int world, const CommunicatorOptions& options,
+    std::shared_ptr<detail::StickyFailure> failure, const std::string& identity) {
   const ErrorContext ctx{rank, world, "make_communicator", -1};
   const std::string prefix = fmt::format("dtrain/shm/{}/request/", options.name);
-  store->set(prefix + std::to_string(rank), encode({options.transport, host_identity()}));
+  store->set(prefix + std::to_string(rank), encode({options.transport, identity}));
   std::vector<Request> all;
   for (int r = 0; r < world; ++r) {
     try {
@@ -54,28 +62,45 @@ std::unique_ptr<detail::Transport> make_host_transport(
     }
   }
   int gloo = -1, shm = -1, other_host = -1;
+  HostLayout layout;
+  std::map<std::string, size_t> host_index;
   for (int r = 0; r < world; ++r) {
     const Request& q = all[static_cast<size_t>(r)];
     if (q.asked == Transport::kGloo && gloo < 0) gloo = r;
     if (q.asked == Transport::kSharedMemory && shm < 0) shm = r;
     if (q.host != all[0].host && other_host < 0) other_host = r;
+    auto [it, added] = host_index.emplace(q.host, layout.hosts.size());
+    if (added) layout.hosts.emplace_back();
+    if (r == rank) {
+      layout.host = static_cast<int>(it->second);
+      layout.local = static_cast<int>(layout.hosts[it->second].size());
+    }
+    layout.hosts[it->second].push_back(r);
   }
+  bool uniform = true;
+  for (const auto& h : layout.hosts) uniform = uniform && h.size() == layout.hosts[0].size();
   if (gloo >= 0 && shm >= 0) {
     throw InvalidArgument(ctx, fmt::format("rank {} asks for transport gloo, rank {} for "
                                            "shared_memory (CommunicatorOptions::transport, "
                                            "DTRAIN_TRANSPORT): ranks must agree",
                                            gloo, shm));
   }
-  if (shm >= 0 && other_host >= 0) {
+  if (shm >= 0 && other_host >= 0 && !uniform) {
     throw InvalidArgument(
-        ctx, fmt::format("transport shared_memory needs every rank on one host, but rank 0 runs on "
-                         "{} and rank {} on {} (or in another container or namespace of it)",
-                         first_word(all[0].host), other_host,
-                         first_word(all[static_cast<size_t>(other_host)].host)));
+        ctx, fmt::format("transport shared_memory across hosts needs the same number of ranks on "
+                         "every host, but rank 0's host {} has {} and rank {}'s host {} has {}",
+                         first_word(all[0].host), layout.hosts[0].size(), other_host,
+                         first_word(all[static_cast<size_t>(other_host)].host),
+                         layout.hosts[host_index[all[static_cast<size_t>(other_host)].host]].size()));
   }
   // Gloo is built in every case: it carries send/recv, and is the fallback.
   auto gloo_transport = gloo_backend::make_gloo_transport(store, rank, world, options, failure);
-  if (gloo >= 0 || other_host >= 0) return gloo_transport;
+  if (gloo >= 0) return gloo_transport;
+  if (other_host >= 0) {
+    if (!uniform || (layout.hosts[0].size() < 2 && shm < 0)) return gloo_transport;
+    return make_hierarchical_transport(std::move(store), rank, world, options, std::move(failure),
+                                       std::move(layout), std::move(gloo_transport));
+  }
   std::optional<Segment> segment = join_segment(*store, rank, world, options, shm >= 0);
   if (!segment) return gloo_transport;
   return make_shm_transport(std::move(*segment), std::move(store), rank, world, std::move(failure),

@@ -26,11 +26,19 @@ std::optional<Segment> join_segment(Store& store, int rank, int world_size,
 //  * kGloo asked by any rank: Gloo; kGloo and kSharedMemory both asked: InvalidArgument.
 //  * all ranks on one host: shared memory (kAuto falls back to Gloo, with a note on stderr,
 //    if rank 0 cannot create a segment);
-//  * ranks on several hosts: Gloo (kSharedMemory asked: InvalidArgument naming two hosts).
-//    Hierarchical (shared memory inside hosts, Gloo between) is not implemented yet.
+//  * several hosts with the same number of ranks each: hierarchical
+//    (hierarchical_transport.h) when a host has two ranks or more or kSharedMemory was
+//    asked, else Gloo;
+//  * several hosts with different numbers of ranks: Gloo (kSharedMemory asked:
+//    InvalidArgument naming two hosts).
 // Point-to-point always goes through Gloo.
 std::unique_ptr<detail::Transport> make_host_transport(
     std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
     std::shared_ptr<detail::StickyFailure> failure);
+
+// The same with this rank's host identity given (tests: several "hosts" in one process).
+std::unique_ptr<detail::Transport> make_host_transport(
+    std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
+    std::shared_ptr<detail::StickyFailure> failure, const std::string& identity);
 
 }  // namespace dtrain::shm

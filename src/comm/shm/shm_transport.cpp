@@ -94,13 +94,7 @@ class ShmTransport final : public detail::Transport {
   void run(const Collective& call) {
     const auto deadline = Clock::now() + call.timeout;
     const auto seq = static_cast<uint64_t>(call.context.sequence);
-    segment_.slot(rank_).headers[seq % 2] = call.header;
-    // Every rank wrote its header before arriving; none rewrites headers[seq % 2] before
-    // all passed the next call's barrier, i.e. after everyone compared these.
-    barrier_.arrive_and_wait(deadline, call.timeout, fmt::format("issue collective #{}", seq));
-    std::vector<detail::CallHeader> headers(static_cast<size_t>(world_size_));
-    for (int r = 0; r < world_size_; ++r) headers[static_cast<size_t>(r)] = segment_.slot(r).headers[seq % 2];
-    if (auto cause = detail::find_mismatch(headers)) throw DesyncError(*cause);
+    check_headers(segment_, barrier_, rank_, call, deadline);
 
     Steps steps(segment_, barrier_, rank_, sets_used_, deadline, call.timeout,
                 fmt::format("{} #{}", detail::to_string(call.op), seq));

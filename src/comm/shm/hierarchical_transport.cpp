@@ -1,0 +1,241 @@
+#include "comm/shm/hierarchical_transport.h"
+
+#include <ATen/ATen.h>
+
+#include <fmt/format.h>
+
+#include "comm/cpu_work.h"
+#include "comm/gloo/gloo_transport.h"
+#include "comm/gloo/reduce_ops.h"
+#include "comm/shm/algorithms.h"
+#include "comm/shm/barrier.h"
+#include "comm/shm/setup.h"
+
+namespace dtrain::shm {
+namespace {
+
+using detail::Collective;
+using detail::CollectiveOp;
+using detail::CpuWork;
+using detail::PointToPoint;
+
+CommunicatorOptions renamed(CommunicatorOptions o, const std::string& suffix) {
+  o.name += suffix;
+  return o;
+}
+
+class HierarchicalTransport final : public detail::Transport {
+ public:
+  HierarchicalTransport(std::shared_ptr<Store> store, int rank, int world_size,
+                        const CommunicatorOptions& options,
+                        std::shared_ptr<detail::StickyFailure> failure, HostLayout layout,
+                        std::unique_ptr<detail::Transport> p2p)
+      : rank_(rank),
+        world_size_(world_size),
+        layout_(std::move(layout)),
+        store_(std::move(store)),
+        failure_(std::move(failure)),
+        p2p_(std::move(p2p)),
+        segment_(join(options)),
+        barrier_(segment_, layout_.local, layout_.hosts[static_cast<size_t>(layout_.host)]) {
+    if (layout_.local == 0) {
+      leaders_ = gloo_backend::make_gloo_transport(
+          store_, layout_.host, static_cast<int>(layout_.hosts.size()),
+          renamed(options, "/leaders"), failure_);
+    }
+    p2p_waiter_ = std::make_unique<detail::SerialExecutor>();
+    executor_ = std::make_unique<detail::SerialExecutor>();
+  }
+
+  ~HierarchicalTransport() override {
+    executor_.reset();
+    p2p_waiter_.reset();
+    barrier_.set_state(RankState::kLeft);
+  }
+
+  Backend backend() const override { return Backend::kGloo; }
+  const char* name() const override { return "hierarchical"; }
+  void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override {
+    p2p_->check_tensor(t, ctx, what);
+  }
+  void check_call(const Collective& call) const override { p2p_->check_call(call); }
+
+  WorkPtr start(Collective call) override {
+    std::vector<at::Tensor> keep{call.tensor, call.input};
+    auto work = std::make_shared<CpuWork>(static_cast<uint64_t>(call.context.sequence),
+                                          call.context.op, call.context,
+                                          detail::host_wait_bound(call.timeout), std::move(keep));
+    executor_->submit([this, work, call = std::move(call)] {
+      work->finish(failure_->run(call.context, [&] {
+        try {
+          run(call);
+        } catch (...) {
+          barrier_.set_state(RankState::kFailed);
+          throw;
+        }
+      }));
+    });
+    return work;
+  }
+
+  WorkPtr start(PointToPoint call) override {
+    auto work = std::make_shared<CpuWork>(
+        static_cast<uint64_t>(call.context.sequence), call.context.op, call.context,
+        detail::host_wait_bound(call.timeout), std::vector<at::Tensor>{call.tensor});
+    executor_->submit([this, work, call = std::move(call)]() mutable {
+      WorkPtr inner = p2p_->start(std::move(call));
+      p2p_waiter_->submit([work, inner] {
+        try {
+          inner->wait();
+          work->finish();
+        } catch (...) {
+          work->finish(std::current_exception());
+        }
+      });
+    });
+    return work;
+  }
+
+ private:
+  Segment join(const CommunicatorOptions& options) {
+    const auto& members = layout_.hosts[static_cast<size_t>(layout_.host)];
+    return *join_segment(*store_, layout_.local, static_cast<int>(members.size()),
+                         renamed(options, fmt::format("/host{}", layout_.host)), true);
+  }
+
+  // The leaders' part of `call`, through Gloo, with what is left of the call's time.
+  void leaders(const Collective& call, CollectiveOp op, const at::Tensor& tensor,
+               const at::Tensor& input, int root, Clock::time_point deadline) {
+    if (!leaders_) return;
+    Collective sub;
+    sub.op = op;
+    sub.tensor = tensor;
+    sub.input = input;
+    sub.reduce = call.reduce == ReduceOp::kAvg ? ReduceOp::kSum : call.reduce;
+    sub.root = root;
+    sub.context = call.context;
+    sub.header = call.header;  // the leaders compare the user's call
+    sub.timeout = std::max(std::chrono::milliseconds(1),
+                           std::chrono::duration_cast<std::chrono::milliseconds>(
+                               deadline - Clock::now()));
+    leaders_->start(std::move(sub))->wait();
+  }
+
+  // This host's ranks disagree: its leader still joins the leaders' header exchange, with a
+  // header no real call has (op "?"), so the other hosts raise DesyncError at once instead
+  // of waiting for this leader until their timeout.
+  void tell_other_hosts(const Collective& call, Clock::time_point deadline) {
+    if (!leaders_) return;
+    Collective poisoned;
+    poisoned.op = CollectiveOp::kBarrier;
+    poisoned.context = call.context;
+    poisoned.header = call.header;
+    poisoned.header.op = 0;
+    poisoned.timeout = std::max(std::chrono::milliseconds(1),
+                                std::chrono::duration_cast<std::chrono::milliseconds>(
+                                    deadline - Clock::now()));
+    try {
+      leaders_->start(std::move(poisoned))->wait();
+    } catch (const Error&) {  // expected: the leaders disagree
+    }
+  }
+
+  // Sum (min, max) over every rank into `t` on every rank; kAvg is left as the sum.
+  void reduce_everywhere(Steps& steps, const Collective& call, const at::Tensor& t,
+                         Clock::time_point deadline) {
+    all_reduce(steps, t, gloo_backend::reduce_fn(t.scalar_type(), call.reduce));
+    leaders(call, CollectiveOp::kAllReduce, t, at::Tensor(), -1, deadline);
+    broadcast(steps, t, 0);
+  }
+
+  void run(const Collective& call) {
+    const auto deadline = Clock::now() + call.timeout;
+    const auto seq = static_cast<uint64_t>(call.context.sequence);
+    try {
+      check_headers(segment_, barrier_, layout_.local, call, deadline);
+    } catch (const DesyncError&) {
+      tell_other_hosts(call, deadline);
+      throw;
+    }
+    Steps steps(segment_, barrier_, layout_.local, sets_used_, deadline, call.timeout,
+                fmt::format("{} #{}", detail::to_string(call.op), seq));
+    switch (call.op) {
+      case CollectiveOp::kAllReduce:
+        reduce_everywhere(steps, call, call.tensor, deadline);
+        if (call.reduce == ReduceOp::kAvg) call.tensor.div_(world_size_);
+        return;
+      case CollectiveOp::kReduceScatter: {
+        at::Tensor all = call.input.clone();
+        reduce_everywhere(steps, call, all, deadline);
+        const int64_t n = call.tensor.numel();
+        call.tensor.copy_(all.narrow(0, rank_ * n, n));
+        if (call.reduce == ReduceOp::kAvg) call.tensor.div_(world_size_);
+        return;
+      }
+      case CollectiveOp::kAllGather: {
+        const int64_t n = call.input.numel();
+        const auto per_host = static_cast<int64_t>(layout_.hosts[0].size());
+        const auto hosts = static_cast<int64_t>(layout_.hosts.size());
+        at::Tensor block = at::empty({per_host * n}, call.input.options());
+        all_gather(steps, block, call.input);
+        at::Tensor everything = at::empty({hosts * per_host * n}, call.input.options());
+        leaders(call, CollectiveOp::kAllGather, everything, block, -1, deadline);
+        broadcast(steps, everything, 0);
+        for (int64_t h = 0; h < hosts; ++h) {
+          for (int64_t i = 0; i < per_host; ++i) {
+            const int r = layout_.hosts[static_cast<size_t>(h)][static_cast<size_t>(i)];
+            call.tensor.narrow(0, r * n, n).copy_(everything.narrow(0, (h * per_host + i) * n, n));
+          }
+        }
+        return;
+      }
+      case CollectiveOp::kBroadcast: {
+        int root_host = 0, root_local = 0;
+        for (size_t h = 0; h < layout_.hosts.size(); ++h) {
+          for (size_t i = 0; i < layout_.hosts[h].size(); ++i) {
+            if (layout_.hosts[h][i] == call.root) {
+              root_host = static_cast<int>(h);
+              root_local = static_cast<int>(i);
+            }
+          }
+        }
+        if (layout_.host == root_host) broadcast(steps, call.tensor, root_local);
+        leaders(call, CollectiveOp::kBroadcast, call.tensor, at::Tensor(), root_host, deadline);
+        if (layout_.host != root_host) broadcast(steps, call.tensor, 0);
+        return;
+      }
+      case CollectiveOp::kBarrier:
+        leaders(call, CollectiveOp::kBarrier, at::Tensor(), at::Tensor(), -1, deadline);
+        barrier_.arrive_and_wait(deadline, call.timeout,
+                                 fmt::format("reach the end of barrier #{}", seq));
+        return;
+    }
+  }
+
+  const int rank_;
+  const int world_size_;
+  const HostLayout layout_;
+  std::shared_ptr<Store> store_;
+  std::shared_ptr<detail::StickyFailure> failure_;
+  std::unique_ptr<detail::Transport> p2p_;
+  Segment segment_;
+  Barrier barrier_;
+  std::unique_ptr<detail::Transport> leaders_;  // local index 0 only
+  uint64_t sets_used_ = 0;                      // executor thread only
+
+  std::unique_ptr<detail::SerialExecutor> p2p_waiter_;
+  std::unique_ptr<detail::SerialExecutor> executor_;
+};
+
+}  // namespace
+
+std::unique_ptr<detail::Transport> make_hierarchical_transport(
+    std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
+    std::shared_ptr<detail::StickyFailure> failure, HostLayout layout,
+    std::unique_ptr<detail::Transport> p2p) {
+  return std::make_unique<HierarchicalTransport>(std::move(store), rank, world_size, options,
+                                                 std::move(failure), std::move(layout),
+                                                 std::move(p2p));
+}
+
+}  // namespace dtrain::shm
