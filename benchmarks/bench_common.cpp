@@ -369,13 +369,13 @@ int bench_main(int argc, char** argv, Flags& flags,
     CommunicatorPtr comm = init_communicator(info, options);
     const std::string where = iface.empty() ? info.communicator_options(options).interface : iface;
     if (info.rank == 0) {
-      const bool shm = std::string(comm->transport_name()) == "shared_memory";
+      const std::string net = where.empty() ? "TCP to " + info.master_addr : where;
+      const std::string how = std::string(comm->transport_name()) == "gloo"
+                                  ? "Gloo over " + net
+                                  : std::string(comm->transport_name()) + " (send/recv: Gloo over " +
+                                        net + ")";
       std::fprintf(stderr, "%s: %d ranks (processes), %s, %d intra-op thread(s)\n", argv[0],
-                   info.world_size,
-                   shm ? "shared memory"
-                       : ("Gloo over " + (where.empty() ? "TCP to " + info.master_addr : where))
-                             .c_str(),
-                   at::get_num_threads());
+                   info.world_size, how.c_str(), at::get_num_threads());
     }
     benchmark::AddCustomContext("transport", comm->transport_name());
     register_benchmarks(*comm);

@@ -64,9 +64,10 @@ std::string host_name() {
 }
 
 std::string host_identity() {
-  return fmt::format("{} boot={} shm={} ipc={} pid={}", host_name(),
+  return fmt::format("{} boot={} shm={} ipc={} pid={} net={}", host_name(),
                      read_line("/proc/sys/kernel/random/boot_id"), inode_of("/dev/shm"),
-                     inode_of("/proc/self/ns/ipc"), inode_of("/proc/self/ns/pid"));
+                     inode_of("/proc/self/ns/ipc"), inode_of("/proc/self/ns/pid"),
+                     inode_of("/proc/self/ns/net"));
 }
 
 ProcessId this_process() {

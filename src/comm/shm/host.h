@@ -8,9 +8,11 @@
 
 namespace dtrain::shm {
 
-// "hostname boot=<boot id> shm=<device of /dev/shm> ipc=<ns> pid=<ns>": equal strings mean
-// the two processes can map one segment and check each other's pid. The hostname alone is
-// not enough: containers share names, and one name may hide two kernels.
+// "hostname boot=<boot id> shm=<device of /dev/shm> ipc=<ns> pid=<ns> net=<ns>": equal
+// strings mean the two processes can map one segment and check each other's pid. The
+// hostname alone is not enough: containers share names, and one name may hide two kernels.
+// The network namespace is part of it because a process with its own network is set up as a
+// host of its own (pods, the veth two-host test), even where it could share memory.
 std::string host_identity();
 
 // The hostname alone, for messages.
