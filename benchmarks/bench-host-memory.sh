@@ -22,7 +22,10 @@ for s in ddp fsdp; do
   for mode in on off jemalloc; do
     pre=""; tune=true
     [ $mode = off ] && tune=false
-    if [ $mode = jemalloc ]; then tune=false; pre="LD_PRELOAD=$JEMALLOC"; fi
+    if [ $mode = jemalloc ]; then
+      if [ ! -f "$JEMALLOC" ]; then echo "| $s | jemalloc | (apt install libjemalloc2 to compare) | |"; continue; fi
+      tune=false; pre="LD_PRELOAD=$JEMALLOC"
+    fi
     env $pre "$TRAIN" $COMMON --strategy $s --nproc 4 --layers 8 --heads 8 --dim 512 --ctx 64 \
       --batch 2 --steps 5 --malloc_tuning=$tune --metrics_out "$OUT/m.jsonl" > "$OUT/log" 2>&1
     [ $s$mode = ddpon ] && blas_line=$(grep -m1 '^blas:' "$OUT/log" || echo "blas: not reported")
