@@ -44,13 +44,16 @@ enum class Backend { kGloo, kNccl };
 
 // How the Gloo (CPU) backend moves collectives' data (docs/communication.md, "Shared memory").
 enum class Transport {
-  // Shared memory when every rank runs on one host (same kernel, /dev/shm and namespaces),
-  // else Gloo's TCP pairs. DTRAIN_TRANSPORT=auto|gloo|shm sets it through LaunchInfo.
+  // Shared memory when every rank runs on one host (same kernel, /dev/shm and namespaces);
+  // across hosts with the same number of ranks (two or more) each, shared memory inside
+  // hosts and Gloo between them; else Gloo's TCP pairs. DTRAIN_TRANSPORT=auto|gloo|shm sets
+  // it through LaunchInfo.
   kAuto,
   // Gloo's TCP pairs, also between ranks of one host.
   kGloo,
-  // POSIX shared memory; make_communicator throws InvalidArgument when ranks are on several
-  // hosts, CommError when no segment can be created.
+  // POSIX shared memory (hierarchical across hosts, also with one rank per host);
+  // make_communicator throws InvalidArgument when hosts hold different numbers of ranks,
+  // CommError when no segment can be created.
   kSharedMemory,
 };
 
@@ -119,7 +122,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual Backend backend() const = 0;
-  // The data path collectives take: "gloo", "shared_memory" or "nccl".
+  // The data path collectives take: "gloo", "shared_memory", "hierarchical" (shared memory
+  // inside hosts, Gloo between) or "nccl".
   virtual const char* transport_name() const = 0;
 
   // Replaces `tensor` on every rank by the element-wise reduction over ranks.
