@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -584,14 +585,17 @@ void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
       }
     }
     // Every rank must run units in the same order: compare a digest of it.
-    int64_t digest = 1469598103934665603LL;
-    for (int i : forward_order_) digest = (digest ^ i) * 1099511628211LL;
+    // FNV-1a in unsigned arithmetic (wraps by definition; signed overflow would be UB).
+    uint64_t digest = 14695981039346656037ULL;
+    for (int i : forward_order_) digest = (digest ^ static_cast<uint32_t>(i)) * 1099511628211ULL;
     const int world = comm_->world_size();
-    at::Tensor mine = at::full({1}, digest, at::kLong);
+    int64_t as_signed = 0;
+    std::memcpy(&as_signed, &digest, sizeof(digest));
+    at::Tensor mine = at::full({1}, as_signed, at::kLong);
     at::Tensor all = at::empty({world}, at::kLong);
     collective([&] { comm_->all_gather(all, mine)->wait(); });
     for (int r = 0; r < world; ++r) {
-      if (all[r].item<int64_t>() != digest) {
+      if (all[r].item<int64_t>() != as_signed) {
         throw InvalidArgument(ctx("forward"),
                               fmt::format("units ran in a different order on rank {}", r));
       }
