@@ -416,6 +416,36 @@ TEST(ShmFailure, PeerThatLeavesMakesOthersFailAtOnce) {
   EXPECT_LT(elapsed, 1.0);
 }
 
+// A failed send breaks rank 0's communicator: rank 1, waiting in a collective for it with a
+// 20 s timeout, fails as soon as the send does.
+TEST(ShmFailure, FailedSendMakesPeersInACollectiveFailAtOnce) {
+  CommunicatorOptions o = shm_options();
+  o.timeout = std::chrono::milliseconds(20000);
+  run_ranks(
+      2,
+      [&](Communicator& c) {
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          if (c.rank() == 0) {
+            CallOptions quick;
+            quick.timeout = std::chrono::milliseconds(300);
+            c.send(at::ones({4}), 1, 9, quick)->wait();  // nobody receives it
+          } else {
+            at::Tensor t = at::ones({16});
+            c.all_reduce(t)->wait();
+          }
+          DTRAIN_CHECK(false, "rank {}: no error", c.rank());
+        } catch (const CommError& e) {
+          if (c.rank() == 1)
+            DTRAIN_CHECK(std::string(e.what()).find("rank 0 failed") != std::string::npos, "{}",
+                         e.what());
+        }
+        DTRAIN_CHECK(seconds_since(start) < 5.0, "rank {} took {} s", c.rank(),
+                     seconds_since(start));
+      },
+      o);
+}
+
 // Entries of /dev/shm this process's segments would use ("dtrain-<uid>-<pid>-").
 std::vector<std::string> own_segments(int pid = getpid()) {
   std::vector<std::string> out;

@@ -77,11 +77,14 @@ class ShmTransport final : public detail::Transport {
         detail::host_wait_bound(call.timeout), std::vector<at::Tensor>{call.tensor});
     executor_->submit([this, work, call = std::move(call)]() mutable {
       WorkPtr inner = p2p_->start(std::move(call));
-      p2p_waiter_->submit([work, inner] {
+      p2p_waiter_->submit([this, work, inner] {
         try {
           inner->wait();
           work->finish();
         } catch (...) {
+          // The communicator is broken (sticky): peers waiting in a collective for this rank
+          // learn it now instead of at their timeout.
+          barrier_.set_state(RankState::kFailed);
           work->finish(std::current_exception());
         }
       });
