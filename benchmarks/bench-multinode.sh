@@ -6,7 +6,9 @@
 # with dtrain_bench_collectives started by dtrain-run --nnodes 2. Writes under
 # ${OUT:-report/bench-multinode}/: <case>.csv (Google Benchmark CSV of rank 0), tables.md,
 # env.txt. Environment: OPS (default all_reduce,all_gather,reduce_scatter), MIN_BYTES,
-# MAX_BYTES (default 1 MiB .. 64 MiB), TARGET_BYTES (iterations = TARGET_BYTES / size).
+# MAX_BYTES (default 1 MiB .. 64 MiB), TARGET_BYTES (iterations = TARGET_BYTES / size),
+# TRANSPORT (default auto: shared memory on one host, hierarchical across the two; gloo: TCP
+# everywhere, as measured before the shared-memory transport).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/report/bench-multinode}"
@@ -23,6 +25,7 @@ veth_hosts_up "dtb$$" || exit 1
 export OMP_NUM_THREADS=1
 args=(--min_bytes="${MIN_BYTES:-1048576}" --max_bytes="${MAX_BYTES:-67108864}" --step=4
   --target_bytes="${TARGET_BYTES:-536870912}" --min_iters=3 --max_iters=50 --ops="$ops"
+  --transport="${TRANSPORT:-auto}"
   --benchmark_format=csv)
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
