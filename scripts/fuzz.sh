@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs dtrain's libFuzzer targets (tests/fuzz/) under AddressSanitizer and
-# UndefinedBehaviorSanitizer, built with clang in ${DTRAIN_FUZZ_BUILD_DIR:-build-fuzz}.
+# UndefinedBehaviorSanitizer, built with clang in ${DTRAIN_ASAN_BUILD_DIR:-build-asan} (shared
+# with scripts/sanitize.sh asan).
 #
 #   scripts/fuzz.sh [SECONDS] [NAME...]     default: 30 seconds each, every target
 #
@@ -9,27 +10,21 @@
 # cause, copy the input into tests/fuzz/corpus/NAME/ so the ctest fuzz.NAME replays it forever.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${DTRAIN_FUZZ_BUILD_DIR:-$root/build-fuzz}"
 seconds="${1:-30}"
 shift || true
 names=("$@")
 if [ "${#names[@]}" -eq 0 ]; then
   for d in "$root"/tests/fuzz/corpus/*/; do names+=("$(basename "$d")"); done
 fi
-command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ is missing (scripts/install-deps.sh installs it)" >&2; exit 1; }
-
-san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CXX_COMPILER=clang++ -DDTRAIN_FUZZ=ON -DDTRAIN_BUILD_BENCHMARKS=OFF \
-  -DDTRAIN_WITH_NCCL=OFF -DCMAKE_CXX_FLAGS="$san" >/dev/null
+source "$root/scripts/clang-build.sh"
+build="$asan_build_dir"
+asan_configure
 targets=()
 for n in "${names[@]}"; do targets+=("dtrain_fuzz_$n"); done
 cmake --build "$build" -j "${DTRAIN_JOBS:-$(nproc)}" --target "${targets[@]}"
 
 mkdir -p "$build/crashes"
-# LibTorch's own allocations live until exit; leaks inside one input are still reported.
-export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_odr_violation=0}"
-export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1}"
+asan_environment
 status=0
 for n in "${names[@]}"; do
   mkdir -p "$build/corpus/$n"

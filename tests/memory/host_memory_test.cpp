@@ -23,7 +23,20 @@ bool new_block_is_mmapped(size_t bytes) {
   return mapped;
 }
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kGlibcMalloc = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kGlibcMalloc = false;
+#else
+constexpr bool kGlibcMalloc = true;
+#endif
+#else
+constexpr bool kGlibcMalloc = true;
+#endif
+
 TEST(HostMemory, BlocksAboveTheThresholdComeFromMmapAfterTuning) {
+  if (!kGlibcMalloc) GTEST_SKIP() << "a sanitizer's allocator serves malloc, not glibc's";
   // Freeing a large mmapped block raises glibc's dynamic threshold past it (here 8 MiB), so
   // without tuning a 2 MiB block then grows the heap and stays there when freed.
   void* volatile big = std::malloc(8 << 20);
