@@ -52,16 +52,12 @@ std::map<std::string, double> numbers_of(const std::string& line) {
   return out;
 }
 
-// Runs gpt2_train with `args` plus --metrics_out, waits, and parses its metrics.
-RunResult run_trainer(const std::string& name, std::vector<std::string> args) {
-  const std::string metrics = temp_path(name + ".jsonl"), log = temp_path(name + ".log");
-  std::remove(metrics.c_str());
+// Starts gpt2_train (output to `log`); returns its pid.
+pid_t start_trainer(std::vector<std::string> args, const std::string& log) {
   args.insert(args.begin(), GPT2_TRAIN_BIN);
-  args.push_back("--metrics_out=" + metrics);
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -69,13 +65,12 @@ RunResult run_trainer(const std::string& name, std::vector<std::string> args) {
   pid_t pid = -1;
   const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// The result of a finished run: its exit status, output and metrics (files removed).
+RunResult collect_run(int status, const std::string& metrics, const std::string& log) {
   RunResult r;
-  if (rc != 0) {
-    r.output = "posix_spawn failed";
-    return r;
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   std::stringstream ss;
   ss << std::ifstream(log).rdbuf();
@@ -91,6 +86,22 @@ RunResult run_trainer(const std::string& name, std::vector<std::string> args) {
   std::remove(metrics.c_str());
   std::remove(log.c_str());
   return r;
+}
+
+// Runs gpt2_train with `args` plus --metrics_out, waits, and parses its metrics.
+RunResult run_trainer(const std::string& name, std::vector<std::string> args) {
+  const std::string metrics = temp_path(name + ".jsonl"), log = temp_path(name + ".log");
+  std::remove(metrics.c_str());
+  args.push_back("--metrics_out=" + metrics);
+  const pid_t pid = start_trainer(args, log);
+  if (pid < 0) {
+    RunResult r;
+    r.output = "posix_spawn failed";
+    return r;
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return collect_run(status, metrics, log);
 }
 
 // A small text with structure for the loss to learn, written once per test process and
@@ -326,22 +337,6 @@ TEST(TrainerBlas, CoretypeSetByTheUserIsKept) {
 
 // ---- Checkpoints: interrupt with SIGTERM, resume, and compare with the uninterrupted run ----
 
-// Starts gpt2_train (output to `log`); returns its pid.
-pid_t start_trainer(std::vector<std::string> args, const std::string& log) {
-  args.insert(args.begin(), GPT2_TRAIN_BIN);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
 size_t count_step_lines(const std::string& path) {
   std::ifstream in(path);
   size_t n = 0;
@@ -359,8 +354,7 @@ RunResult run_and_interrupt(const std::string& name, std::vector<std::string> ar
   std::remove(metrics.c_str());
   args.push_back("--metrics_out=" + metrics);
   const pid_t pid = start_trainer(args, log);
-  RunResult r;
-  if (pid < 0) return r;
+  if (pid < 0) return RunResult{};
   int status = 0;
   bool exited = false;
   for (int i = 0; i < 12000 && !exited; ++i) {  // up to 2 minutes
@@ -372,17 +366,7 @@ RunResult run_and_interrupt(const std::string& name, std::vector<std::string> ar
     kill(pid, SIGTERM);
     waitpid(pid, &status, 0);
   }
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  std::stringstream ss;
-  ss << std::ifstream(log).rdbuf();
-  r.output = ss.str();
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    if (line.find("\"kind\": \"step\"") != std::string::npos) r.steps.push_back(numbers_of(line));
-  }
-  std::remove(metrics.c_str());
-  std::remove(log.c_str());
-  return r;
+  return collect_run(status, metrics, log);
 }
 
 std::string file_bytes(const std::string& path) {
