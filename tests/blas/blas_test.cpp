@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dtrain/blas.h"
+#include "support/scoped_env.h"
 
 namespace dtrain {
 namespace {
@@ -212,28 +213,7 @@ TEST(BlasKernelPlan, NeverAddsAVariableThatIsAlreadySet) {
   }
 }
 
-// Sets or unsets an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    set(value);
-  }
-  ~ScopedEnv() { set(old_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  void set(const std::optional<std::string>& v) {
-    if (v) {
-      setenv(name_, v->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using dtrain::testing::ScopedEnv;
 
 TEST(BlasEnvironment, FromEnvReadsOnlyTheBlasVariables) {
   ScopedEnv coretype("OPENBLAS_CORETYPE", "Zen");

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/blas.h"
+#include "support/scoped_env.h"
 
 extern char** environ;
 
@@ -267,28 +268,7 @@ TEST_F(TrainerTest, FsdpBf16MixedPrecisionStaysClose) {
   expect_same_curve(*single_, fsdp, 5e-2);
 }
 
-// Sets or unsets an environment variable for one scope (the trainer inherits the environment).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    set(value);
-  }
-  ~ScopedEnv() { set(old_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  void set(const std::optional<std::string>& v) {
-    if (v) {
-      setenv(name_, v->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using dtrain::testing::ScopedEnv;
 
 std::string blas_kernel_of(const std::string& step_line) {
   std::smatch m;
