@@ -1,10 +1,13 @@
-// tune_host_memory: once applied, a new block above 64 KiB is served by mmap (so freeing it
-// returns it to the system) where glibc's dynamic threshold would have grown the heap.
+// tune_host_memory: once applied, a new block above the threshold (4 MiB) is served by mmap (so
+// freeing it returns it to the system) where glibc's dynamic threshold would have grown the
+// heap. host_memory_environment: huge pages are requested without overriding a user's choice.
 #include <gtest/gtest.h>
 #include <malloc.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <string>
 
 #include "dtrain/host_memory.h"
 
@@ -44,13 +47,41 @@ TEST(HostMemory, BlocksAboveTheThresholdComeFromMmapAfterTuning) {
   std::free(big);
   EXPECT_FALSE(new_block_is_mmapped(2 << 20));
   ASSERT_TRUE(tune_host_memory());
-  EXPECT_TRUE(new_block_is_mmapped(4 << 20));
+  EXPECT_FALSE(new_block_is_mmapped(2 << 20));  // below the tuned threshold: the heap
+  EXPECT_TRUE(new_block_is_mmapped(5 << 20));
 }
 
 TEST(HostMemory, ThresholdsBeyondGlibcsRangeAreRefused) {
   HostMemoryTuning t;
   t.mmap_threshold = size_t{1} << 40;
   EXPECT_FALSE(tune_host_memory(t));
+}
+
+using Env = std::map<std::string, std::string>;
+
+TEST(HostMemory, HugePagesAreRequestedThroughGlibcTunables) {
+  EXPECT_EQ(host_memory_environment({}), (Env{{"GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"}}));
+  // Other tunables of the user's stay, ours is appended.
+  EXPECT_EQ(host_memory_environment({{"GLIBC_TUNABLES", "glibc.malloc.arena_max=2"}}),
+            (Env{{"GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}}));
+  EXPECT_EQ(host_memory_environment({{"GLIBC_TUNABLES", ""}}),
+            (Env{{"GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"}}));
+}
+
+TEST(HostMemory, AUsersHugetlbChoiceIsNeverOverridden) {
+  EXPECT_TRUE(host_memory_environment({{"GLIBC_TUNABLES", "glibc.malloc.hugetlb=0"}}).empty());
+  EXPECT_TRUE(host_memory_environment(
+                  {{"GLIBC_TUNABLES", "glibc.malloc.hugetlb=2:glibc.malloc.arena_max=2"}})
+                  .empty());
+  // A tunable whose name merely starts the same is not the user's choice.
+  EXPECT_EQ(host_memory_environment({{"GLIBC_TUNABLES", "glibc.malloc.hugetlbx=0"}}),
+            (Env{{"GLIBC_TUNABLES", "glibc.malloc.hugetlbx=0:glibc.malloc.hugetlb=1"}}));
+}
+
+TEST(HostMemory, HugePagesOffRequestsNothing) {
+  HostMemoryTuning t;
+  t.huge_pages = false;
+  EXPECT_TRUE(host_memory_environment({}, t).empty());
 }
 
 }  // namespace
