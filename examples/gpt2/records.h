@@ -1,0 +1,64 @@
+// What gpt2_train measures: one record per optimizer step and one per epoch, each written
+// once as a metrics line (report.h). Field names are those of the metrics lines
+// (docs/gpt2.md).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace gpt2 {
+
+struct StepRecord {
+  int64_t step = 0;   // optimizer steps taken, this one included (1-based)
+  int64_t epoch = 0;  // 1-based
+  double lr = 0;
+  double loss = 0;       // mean over ranks of each rank's mean loss over its micro-batches
+  double grad_norm = 0;  // global gradient norm before clipping
+  int64_t tokens = 0;    // tokens of the global batch
+  double step_time_s = 0;
+  // The strategy's StepStats, summed over the step's micro-batches.
+  double comm_wait_s = 0, comm_total_s = 0;
+  int64_t num_collectives = 0;
+  // One entry per rank, exchanged in the step's all-gather.
+  std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;
+  int stop_signal = 0;             // a SIGTERM/SIGINT some rank received (0: none)
+  std::optional<double> val_loss;  // a mid-epoch validation after this step (--val_every)
+
+  double tokens_per_s() const { return static_cast<double>(tokens) / step_time_s; }
+  double peak_rss_mib() const;     // max over ranks
+  double model_state_mib() const;  // max over ranks
+};
+
+struct EpochRecord {
+  int64_t epoch = 0, epochs = 0;  // 1-based, of
+  int64_t step = 0;               // optimizer steps taken at its end (set by the caller)
+  double loss = 0, val_loss = 0, grad_norm = 0, step_time_s = 0, comm_wait_s = 0;  // means
+  double tokens_per_s = 0;       // over the epoch's training time
+  double epoch_time_s = 0;       // training time, validations excluded
+  double validation_time_s = 0;  // of the end-of-epoch validation
+  std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;  // at its last step
+
+  double peak_rss_mib() const;
+  double model_state_mib() const;
+};
+
+// Sums of an epoch's step records.
+class EpochTotals {
+ public:
+  void add(const StepRecord& r);
+  void add_validation_time(double seconds) { val_time_s_ += seconds; }
+  double validation_time_s() const { return val_time_s_; }
+  // The epoch's means; tokens_per_s from `epoch_time_s`.
+  EpochRecord record(int64_t epoch, int64_t epochs, double epoch_time_s) const;
+
+ private:
+  double loss_ = 0, grad_norm_ = 0, step_time_ = 0, comm_wait_ = 0, val_time_s_ = 0;
+  int64_t steps_ = 0, tokens_ = 0;
+  StepRecord last_;
+};
+
+// Largest value (NaN for none).
+double max_of(const std::vector<double>& values);
+
+}  // namespace gpt2

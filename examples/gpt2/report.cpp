@@ -1,0 +1,76 @@
+#include "report.h"
+
+#include <cstdio>
+#include <optional>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace gpt2 {
+
+void Reporter::say(const std::string& text) {
+  if (!rank0_) return;
+  if (progress_) {
+    progress_->line(text);
+  } else {
+    fmt::print("{}\n", text);
+    std::fflush(stdout);
+  }
+}
+
+void Reporter::start(RunLabels labels, int64_t total_steps, int64_t epochs, int64_t log_every,
+                     const std::string& metrics_out) {
+  if (!rank0_) return;
+  labels_ = std::move(labels);
+  progress_ = std::make_unique<Progress>(total_steps, epochs, log_every, stdout_is_terminal());
+  if (!metrics_out.empty()) metrics_ = std::make_unique<MetricsWriter>(metrics_out);
+}
+
+void Reporter::show_step(const StepRecord& r) {
+  if (!progress_) return;
+  progress_->step({r.step, r.epoch, r.loss, r.grad_norm, r.lr, r.tokens_per_s(), r.step_time_s});
+}
+
+JsonLine Reporter::base_line(const char* kind, int64_t step, int64_t epoch) const {
+  JsonLine j;
+  j.add("kind", kind).add("step", step).add("epoch", epoch).add("rank", labels_.rank);
+  j.add("world_size", labels_.world_size).add("strategy", labels_.strategy);
+  j.add("blas", labels_.blas).add("blas_kernel", labels_.blas_kernel);
+  return j;
+}
+
+void Reporter::write_step(const StepRecord& r) {
+  if (!metrics_) return;
+  JsonLine j = base_line("step", r.step, r.epoch);
+  j.add("loss", r.loss).add("val_loss", r.val_loss).add("grad_norm", r.grad_norm);
+  j.add("tokens_per_s", r.tokens_per_s()).add("step_time_s", r.step_time_s);
+  j.add("epoch_time_s", std::optional<double>());
+  j.add("peak_rss_mib", r.peak_rss_mib());
+  j.add("peak_rss_mib_per_rank", r.peak_rss_mib_per_rank);
+  j.add("model_state_mib", r.model_state_mib());
+  j.add("model_state_mib_per_rank", r.model_state_mib_per_rank);
+  j.add("comm_wait_s", r.comm_wait_s).add("comm_total_s", r.comm_total_s);
+  j.add("num_collectives", r.num_collectives).add("lr", r.lr);
+  metrics_->write(j);
+}
+
+void Reporter::write_epoch(const EpochRecord& e) {
+  say(
+      fmt::format("epoch {}/{}: loss {:.4f} val_loss {:.4f} grad_norm {:.3f} {:.0f} tok/s "
+                  "{:.1f} s peak RSS {:.0f} MiB (max over ranks), model state {:.1f} MiB/rank",
+                  e.epoch, e.epochs, e.loss, e.val_loss, e.grad_norm, e.tokens_per_s,
+                  e.epoch_time_s, e.peak_rss_mib(), e.model_state_mib()));
+  if (!metrics_) return;
+  JsonLine j = base_line("epoch", e.step, e.epoch);
+  j.add("loss", e.loss).add("val_loss", e.val_loss).add("grad_norm", e.grad_norm);
+  j.add("tokens_per_s", e.tokens_per_s).add("step_time_s", e.step_time_s);
+  j.add("epoch_time_s", e.epoch_time_s);
+  j.add("peak_rss_mib", e.peak_rss_mib());
+  j.add("peak_rss_mib_per_rank", e.peak_rss_mib_per_rank);
+  j.add("model_state_mib", e.model_state_mib());
+  j.add("model_state_mib_per_rank", e.model_state_mib_per_rank);
+  j.add("comm_wait_s", e.comm_wait_s).add("validation_time_s", e.validation_time_s);
+  metrics_->write(j);
+}
+
+}  // namespace gpt2

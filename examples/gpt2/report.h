@@ -1,0 +1,51 @@
+// What gpt2_train shows and writes, on rank 0 only: log lines (a progress bar on a
+// terminal), and the metrics file (--metrics_out, one JSON line per step and per epoch;
+// fields in docs/gpt2.md). On other ranks every call does nothing.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "metrics.h"
+#include "progress.h"
+#include "records.h"
+
+namespace gpt2 {
+
+// Written into every metrics line.
+struct RunLabels {
+  int rank = 0, world_size = 1;
+  std::string strategy;     // Strategy::name()
+  std::string blas;         // library and version
+  std::string blas_kernel;  // "unknown" when the library does not say
+};
+
+class Reporter {
+ public:
+  explicit Reporter(bool rank0) : rank0_(rank0) {}
+
+  // A line that stays visible (log, or above the progress bar).
+  void say(const std::string& text);
+
+  // Starts the progress display and opens metrics_out (truncated; empty: no metrics file).
+  void start(RunLabels labels, int64_t total_steps, int64_t epochs, int64_t log_every,
+             const std::string& metrics_out);
+
+  // The step on the progress display.
+  void show_step(const StepRecord& r);
+  // The step's metrics line.
+  void write_step(const StepRecord& r);
+  // The epoch's summary line and metrics line.
+  void write_epoch(const EpochRecord& e);
+
+ private:
+  JsonLine base_line(const char* kind, int64_t step, int64_t epoch) const;
+
+  bool rank0_;
+  RunLabels labels_;
+  std::unique_ptr<Progress> progress_;
+  std::unique_ptr<MetricsWriter> metrics_;
+};
+
+}  // namespace gpt2

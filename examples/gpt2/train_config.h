@@ -1,0 +1,104 @@
+// What gpt2_train is asked to do: every flag parsed once into typed values (flags.cpp), so
+// that the trainer never compares strings. Choices are enums; each has to_string() giving
+// the flag's spelling back, for log lines and metrics.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dtrain/blas.h"
+#include "dtrain/checkpoint.h"
+#include "dtrain/fsdp.h"
+#include "model.h"
+
+namespace gpt2 {
+
+enum class StrategyKind { kSingle, kDdp, kFsdp };
+enum class DeviceKind { kCpu, kCuda };
+enum class Precision { kFp32, kBf16, kFp16 };
+// fused: the LM head's cross-entropy chunk by chunk (lm_head_loss.h); standard: logits first.
+enum class LossKind { kFused, kStandard };
+// How gradients are reduced: ddp's comm hook, or fsdp's reduce dtype (kAllreduce: fp32).
+enum class CommHookKind { kAllreduce, kFp16, kBf16, kParameterServer };
+// kText: a file or folder (empty path: the built-in corpus); kRandom: uniform random tokens.
+enum class DataKind { kText, kRandom };
+enum class TokenizerKind { kGpt2, kByte };
+
+const char* to_string(StrategyKind v);
+const char* to_string(DeviceKind v);
+const char* to_string(Precision v);
+const char* to_string(CommHookKind v);
+const char* to_string(TokenizerKind v);
+// The --sharding and --prefetch spellings (full, grad_op, ...; pre, post, none).
+const char* sharding_flag_name(dtrain::ShardingStrategy v);
+const char* prefetch_flag_name(dtrain::BackwardPrefetch v);
+
+struct Config {
+  // Launch
+  StrategyKind strategy = StrategyKind::kSingle;
+  int nproc = 1;
+  DeviceKind device = DeviceKind::kCpu;
+  int threads = 0;  // 0: cores / LOCAL_WORLD_SIZE
+  dtrain::BlasKernelPolicy blas_kernel = dtrain::BlasKernelPolicy::kAuto;
+  int timeout_s = 300;
+
+  // Model
+  std::string model;  // the preset's name
+  GptConfig gpt;      // vocab_size is set from the tokenizer once it is loaded
+  int64_t vocab = 0;  // --vocab (0: the tokenizer's)
+
+  // Data
+  DataKind data = DataKind::kText;
+  std::string data_path;  // kText: empty means the built-in corpus
+  TokenizerKind tokenizer = TokenizerKind::kGpt2;
+  std::string vocab_dir;
+  int64_t max_tokens = 0;
+  double val_fraction = 0;
+
+  // Schedule
+  int64_t batch = 0, grad_accum = 1, epochs = 1, steps = 0, steps_per_epoch = 0;
+  int64_t seed = 0;
+
+  // Optimizer
+  double lr = 0, min_lr_ratio = 0, weight_decay = 0, clip = 0;
+  int64_t warmup_steps = 0;
+
+  // Precision and communication
+  Precision precision = Precision::kFp32;
+  LossKind loss = LossKind::kFused;
+  CommHookKind comm_hook = CommHookKind::kAllreduce;
+  double bucket_mb = 0;
+  dtrain::ShardingStrategy sharding = dtrain::ShardingStrategy::kFullShard;
+  int shard_group_size = 0;
+  dtrain::BackwardPrefetch prefetch = dtrain::BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = false;
+  bool malloc_tuning = true;
+
+  // Evaluation and output
+  int64_t val_every = 0, val_batches = 0, log_every = 10;
+  std::string metrics_out, profile_out;
+  int64_t profile_steps = 0;
+  int64_t sample_tokens = 0;
+  std::string prompt;
+  int top_k = 0;
+  double temperature = 1;
+
+  // Checkpoints
+  std::string ckpt_dir;
+  dtrain::CheckpointFormat ckpt_format = dtrain::CheckpointFormat::kSharded;
+  int64_t ckpt_every = 0;
+  int ckpt_keep = 2;
+  bool resume = false;
+  std::string export_path, init_from;
+
+  bool fused_loss() const { return loss == LossKind::kFused; }
+};
+
+// Throws dtrain::InvalidArgument(message) when !ok.
+void check(bool ok, const std::string& message);
+
+// Linear warmup to c.lr over c.warmup_steps, then a cosine down to lr * min_lr_ratio at the
+// last step (step counts from 0).
+double learning_rate(const Config& c, int64_t step, int64_t total_steps);
+
+}  // namespace gpt2

@@ -1,0 +1,273 @@
+// The training loop: run() -> train_epoch() -> train_step() -> micro_step().
+#include "trainer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "metrics.h"
+#include "progress.h"
+#include "stop_signal.h"
+
+namespace gpt2 {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// --profile_out: steps run before profiling starts (allocator, caches and OpenMP pool warm).
+constexpr int64_t kProfileWarmupSteps = 5;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Resets gradients to undefined, as LibTorch 2.x's zero_grad() does by default (1.13's fills
+// them with zeros): backward then keeps each fresh gradient as it is instead of adding it to
+// zeros. DataParallel points .grad back into its buckets before the next backward, and FSDP
+// stores its reduced shard, so every strategy supports it.
+void zero_grad_to_none(torch::optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params()) p.mutable_grad().reset();
+  }
+}
+
+void set_learning_rate(torch::optim::AdamW& opt, double lr) {
+  for (auto& group : opt.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+}
+
+std::vector<at::Tensor> optimizer_state(torch::optim::AdamW& opt) {
+  std::vector<at::Tensor> out;
+  for (const auto& item : opt.state()) {
+    const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(item.second.get());
+    if (s == nullptr) continue;
+    out.push_back(s->exp_avg());
+    out.push_back(s->exp_avg_sq());
+    out.push_back(s->max_exp_avg_sq());
+  }
+  return out;
+}
+
+}  // namespace
+
+Trainer::Trainer(Config config, dtrain::LaunchInfo info, BlasSetup blas)
+    : c_(std::move(config)),
+      info_(std::move(info)),
+      blas_(std::move(blas)),
+      report_(info_.rank == 0) {}
+
+void Trainer::run() {
+  setup_process();
+  setup_device_and_comm();
+  setup_data();
+  setup_model_and_strategy();
+  setup_optimizer();
+  const Schedule schedule = plan_schedule();
+
+  RunLabels labels;
+  labels.rank = info_.rank;
+  labels.world_size = info_.world_size;
+  labels.strategy = strategy_->name();
+  labels.blas = blas_label(blas_.info);
+  labels.blas_kernel = blas_.info.kernel.empty() ? "unknown" : blas_.info.kernel;
+  report_.start(std::move(labels), schedule.total_steps, schedule.epochs, c_.log_every,
+                c_.metrics_out);
+  if (rank0() && !c_.profile_out.empty()) op_profile_ = std::make_unique<OpProfile>();
+  if (!c_.ckpt_dir.empty()) install_stop_handlers();
+
+  RunState run;
+  run.start_step = run.step = c_.resume ? resume_step() : 0;
+  const auto run_start = Clock::now();
+  for (int64_t epoch = run.start_step / schedule.steps_per_epoch; epoch < schedule.epochs;
+       ++epoch) {
+    train_epoch(schedule, epoch, run);
+  }
+  // Every rank, after its last batch: a rank with batches left makes every rank fail here
+  // with a message naming the ranks (the split is even today; this keeps it checked).
+  strategy_->finish();
+  say(
+      fmt::format("done: {} steps in {}; final loss {:.4f}, val_loss {:.4f}, grad_norm {:.3f}, "
+                  "peak RSS {:.0f} MiB (max over ranks)",
+                  run.step, format_duration(seconds_since(run_start)), run.last_loss, run.last_val,
+                  run.last_grad_norm, run.max_rss));
+  if (op_profile_ && op_profile_->steps() < c_.profile_steps) write_profile(schedule.total_steps);
+  if (!c_.export_path.empty()) export_weights();
+  generate_sample();
+  if (comm_ && info_.world_size > 1) comm_->barrier_sync();  // no rank leaves a peer waiting
+}
+
+// The epoch's steps (from where a resumed run stands), then its validation and summary.
+void Trainer::train_epoch(const Schedule& schedule, int64_t epoch, RunState& run) {
+  train_sampler_->set_epoch(epoch);
+  const auto epoch_start = Clock::now();
+  EpochTotals totals;
+  const int64_t spe = schedule.steps_per_epoch;
+  const int64_t first = epoch == run.start_step / spe ? run.start_step % spe : 0;
+  for (int64_t s = first; s < spe && run.step < schedule.total_steps; ++s) {
+    StepRecord r = train_step(schedule, epoch, s, run.step);
+    run.step = r.step;
+    run.last_loss = r.loss;
+    run.last_grad_norm = r.grad_norm;
+    run.max_rss = std::max(run.max_rss, r.peak_rss_mib());
+    totals.add(r);
+    report_.show_step(r);
+    // Mid-epoch validation (--val_every); the epoch's end always validates below.
+    const bool ends_epoch = s + 1 == spe || run.step == schedule.total_steps;
+    if (c_.val_every > 0 && run.step % c_.val_every == 0 && !ends_epoch) {
+      const auto v0 = Clock::now();
+      r.val_loss = run.last_val = validate();
+      totals.add_validation_time(seconds_since(v0));
+      say(fmt::format("step {}: val_loss {:.4f}", run.step, *r.val_loss));
+    }
+    report_.write_step(r);
+    checkpoint_or_stop(r, schedule.total_steps);
+  }
+  const double epoch_time = seconds_since(epoch_start) - totals.validation_time_s();
+  const auto v0 = Clock::now();
+  EpochRecord e = totals.record(epoch + 1, schedule.epochs, epoch_time);
+  e.step = run.step;
+  e.val_loss = run.last_val = validate();
+  e.validation_time_s = seconds_since(v0);
+  report_.write_epoch(e);
+}
+
+// One optimizer step: --grad_accum micro-batches, the gradient norm (and clipping), the
+// update; then the all-gather of what rank 0 reports. Returns the step's record.
+StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t index_in_epoch,
+                               int64_t step) {
+  StepRecord r;
+  r.step = step + 1;
+  r.epoch = epoch + 1;
+  r.tokens = schedule.tokens_per_step;
+  r.lr = learning_rate(c_, step, schedule.total_steps);
+  set_learning_rate(*optimizer_, r.lr);
+  // --profile_out: record this step's operators, between the same two clock reads as
+  // step_time (the recorder is set up before t0 and removed after the step is timed).
+  const bool profiled =
+      op_profile_ && step >= kProfileWarmupSteps && step < kProfileWarmupSteps + c_.profile_steps;
+  std::optional<OpRecorder> recorder;
+  if (profiled) recorder.emplace(*op_profile_);
+  const auto t0 = Clock::now();
+
+  zero_grad_to_none(*optimizer_);
+  double local_loss = 0;
+  for (int64_t m = 0; m < c_.grad_accum; ++m) {
+    const double loss = micro_step(index_in_epoch * c_.grad_accum + m, m + 1 == c_.grad_accum, r);
+    local_loss += loss / static_cast<double>(c_.grad_accum);
+  }
+  r.grad_norm = c_.clip > 0 ? strategy_->clip_grad_norm(c_.clip) : strategy_->grad_norm();
+  optimizer_->step();
+  sync_device();
+
+  r.step_time_s = seconds_since(t0);
+  recorder.reset();
+  if (profiled) {
+    op_profile_->add_step(r.step_time_s);
+    if (op_profile_->steps() == c_.profile_steps) write_profile(schedule.total_steps);
+  }
+  gather_rank_values(local_loss, r);
+  check(std::isfinite(r.loss), fmt::format("loss is {} at step {}", r.loss, r.step));
+  return r;
+}
+
+// Forward and backward of one micro-batch; adds its communication to `record` and returns
+// its loss. Only the step's last micro-batch communicates gradients (DDP: no_sync before).
+double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
+  Batch b = load_batch(train_tokens_, *train_sampler_, micro_batch);
+  at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
+  std::optional<dtrain::DataParallel::NoSyncGuard> no_sync;
+  if (ddp_ != nullptr && !last) no_sync.emplace(*ddp_);
+  at::Tensor loss = strategy_->forward([&] { return model_->loss(x, y, c_.fused_loss()); });
+  const double value = loss.item<double>();
+  strategy_->backward(c_.grad_accum > 1 ? loss / static_cast<double>(c_.grad_accum) : loss);
+  const dtrain::StepStats& stats = strategy_->last_step_stats();
+  record.comm_wait_s += stats.comm_wait_s;
+  record.comm_total_s += stats.comm_total_s;
+  record.num_collectives += stats.num_collectives;
+  return value;
+}
+
+// One all-gather of each rank's loss, peak RSS, model state and stop signal (every rank
+// then knows whether any rank was asked to stop).
+void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
+  const double state_mib =
+      static_cast<double>(strategy_->model_state_bytes(optimizer_state(*optimizer_))) / kMiB;
+  const std::vector<double> mine = {local_loss, peak_rss_mib(), state_mib,
+                                    static_cast<double>(stop_signal())};
+  r.stop_signal = stop_signal();
+  const int world = info_.world_size;
+  std::vector<double> all = mine;
+  if (comm_ && world > 1) {
+    const auto n = static_cast<int64_t>(mine.size());
+    at::Tensor in = at::tensor(mine, at::TensorOptions().dtype(at::kDouble)).to(device_);
+    at::Tensor out = at::empty({world * n}, in.options());
+    comm_->all_gather_sync(out, in);
+    out = out.cpu();
+    all.assign(out.data_ptr<double>(), out.data_ptr<double>() + world * n);
+  }
+  double loss_sum = 0;
+  for (size_t i = 0; i < all.size(); i += mine.size()) {
+    loss_sum += all[i];
+    r.peak_rss_mib_per_rank.push_back(all[i + 1]);
+    r.model_state_mib_per_rank.push_back(all[i + 2]);
+    r.stop_signal = std::max(r.stop_signal, static_cast<int>(all[i + 3]));
+  }
+  r.loss = loss_sum / static_cast<double>(r.peak_rss_mib_per_rank.size());
+}
+
+// Mean loss over (up to) val_batches global batches of the validation split; every rank
+// evaluates its rows of each batch, in step with the others.
+double Trainer::validate() {
+  if (!val_sampler_) return std::nan("");
+  c10::NoGradGuard no_grad;
+  int64_t n = val_sampler_->steps_per_epoch();
+  if (c_.val_batches > 0) n = std::min(n, c_.val_batches);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Batch b = load_batch(val_tokens_, *val_sampler_, i);
+    at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
+    at::Tensor loss = strategy_->forward([&] { return model_->loss(x, y, c_.fused_loss()); });
+    sum += loss.item<double>();
+  }
+  double mean = sum / static_cast<double>(std::max<int64_t>(n, 1));
+  if (comm_ && info_.world_size > 1) {
+    at::Tensor t = at::full({1}, mean, at::TensorOptions().dtype(at::kDouble)).to(device_);
+    comm_->all_reduce_sync(t, dtrain::ReduceOp::kAvg);
+    mean = t.item<double>();
+  }
+  return mean;
+}
+
+// Rank 0 with --profile_out: once the profiled steps are done, or at the end of a run too
+// short for all of them.
+void Trainer::write_profile(int64_t total_steps) {
+  op_profile_->write_json(c_.profile_out);
+  const int64_t n = op_profile_->steps();
+  if (n < c_.profile_steps) {
+    say(
+        fmt::format("profile: only {} of --profile_steps {} steps profiled (the run has {} steps, "
+                    "the first {} are warm-up); wrote {}",
+                    n, c_.profile_steps, total_steps, kProfileWarmupSteps, c_.profile_out));
+  } else {
+    say(fmt::format("profile: {} steps, {:.3f} s/step, written to {}", n,
+                    op_profile_->wall_s() / static_cast<double>(n), c_.profile_out));
+  }
+}
+
+void Trainer::sync_device() {
+  if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+}
+
+}  // namespace gpt2

@@ -1,0 +1,97 @@
+// The GPT-2 trainer of one rank: one loop for every strategy. run() reads top to bottom:
+// set up (process, device and communicator, data, model and strategy, optimizer), then
+// epochs of steps, each step one record that is shown and written once, then the end of the
+// run (finish, export, sample).
+#pragma once
+
+#include <c10/core/Device.h>
+#include <torch/optim/adamw.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "blas_setup.h"
+#include "data.h"
+#include "dtrain/data_parallel.h"
+#include "dtrain/rendezvous.h"
+#include "dtrain/store.h"
+#include "dtrain/strategy.h"
+#include "model.h"
+#include "op_profile.h"
+#include "records.h"
+#include "report.h"
+#include "tokenizer.h"
+#include "train_config.h"
+
+namespace gpt2 {
+
+class Trainer {
+ public:
+  Trainer(Config config, dtrain::LaunchInfo info, BlasSetup blas);
+  void run();
+
+ private:
+  // How many steps the run takes, from the data and the flags.
+  struct Schedule {
+    int64_t steps_per_epoch = 0, total_steps = 0, epochs = 0;
+    int64_t tokens_per_step = 0;  // of the global batch
+  };
+  static constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  // Where the run stands, across epochs.
+  struct RunState {
+    int64_t start_step = 0;  // where this process started (a resumed run: > 0)
+    int64_t step = 0;        // optimizer steps taken
+    double last_loss = kNaN, last_val = kNaN, last_grad_norm = kNaN, max_rss = 0;
+  };
+
+  // Set-up, in order (trainer_setup.cpp).
+  void setup_process();
+  void setup_device_and_comm();
+  void setup_data();
+  void setup_model_and_strategy();
+  void setup_optimizer();
+  Schedule plan_schedule();
+
+  // Training (trainer.cpp).
+  void train_epoch(const Schedule& schedule, int64_t epoch, RunState& run);
+  StepRecord train_step(const Schedule& schedule, int64_t epoch, int64_t index_in_epoch,
+                        int64_t step);
+  double micro_step(int64_t micro_batch, bool last, StepRecord& record);
+  void gather_rank_values(double local_loss, StepRecord& record);
+  double validate();
+  void write_profile(int64_t total_steps);
+
+  // Checkpoints and weights (trainer_checkpoint.cpp).
+  int64_t resume_step();
+  void checkpoint_or_stop(const StepRecord& r, int64_t total_steps);
+  std::string save_checkpoint(int64_t step);
+  void export_weights();
+
+  // The sample at the end (sample.cpp).
+  void generate_sample();
+
+  bool rank0() const { return info_.rank == 0; }
+  void say(const std::string& text) { report_.say(text); }
+  void sync_device();
+
+  Config c_;
+  dtrain::LaunchInfo info_;
+  BlasSetup blas_;
+  int threads_ = 1;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  std::shared_ptr<dtrain::Store> store_;
+  dtrain::CommunicatorPtr comm_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  TokenView train_tokens_, val_tokens_;
+  std::unique_ptr<DistributedSampler> train_sampler_, val_sampler_;
+  Gpt model_{nullptr};
+  std::shared_ptr<dtrain::Strategy> strategy_;
+  dtrain::DataParallel* ddp_ = nullptr;  // strategy_ under --strategy ddp
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  Reporter report_;
+  std::unique_ptr<OpProfile> op_profile_;  // rank 0 with --profile_out
+};
+
+}  // namespace gpt2

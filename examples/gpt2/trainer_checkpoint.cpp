@@ -1,0 +1,84 @@
+// Checkpoints (--ckpt_dir, --resume: docs/checkpoints.md) and the weights export (--export).
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "dtrain/checkpoint.h"
+#include "dtrain/fsdp.h"
+#include "hf_weights.h"
+#include "metrics.h"
+#include "trainer.h"
+
+namespace gpt2 {
+
+// --resume: the step to continue from (0 when --ckpt_dir holds no complete checkpoint).
+int64_t Trainer::resume_step() {
+  const std::string latest = dtrain::latest_checkpoint(c_.ckpt_dir);
+  if (latest.empty()) {
+    say(fmt::format("resume: no checkpoint in {}, starting fresh", c_.ckpt_dir));
+    return 0;
+  }
+  dtrain::CheckpointStats stats;
+  const dtrain::TrainingState state =
+      dtrain::load_checkpoint(latest, *strategy_, optimizer_.get(), {}, &stats);
+  say(fmt::format("resume: step {} from {} ({:.1f} MiB read in {:.2f} s on rank 0)", state.step,
+                  latest, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  return state.step;
+}
+
+// Checkpoints: every --ckpt_every steps, after the last step, and when a rank got
+// SIGTERM/SIGINT (all ranks learnt it from the step's all-gather, so they stop at the same
+// step); then the stop itself, as an exception.
+void Trainer::checkpoint_or_stop(const StepRecord& r, int64_t total_steps) {
+  const bool every = c_.ckpt_every > 0 && r.step % c_.ckpt_every == 0;
+  std::string saved;
+  if (!c_.ckpt_dir.empty() && (every || r.step == total_steps || r.stop_signal != 0)) {
+    saved = save_checkpoint(r.step);
+  }
+  if (r.stop_signal != 0) {
+    throw std::runtime_error(
+        fmt::format("stopped by {} after step {}: {}", strsignal(r.stop_signal), r.step,
+                    saved.empty() ? std::string("no checkpoint written (no --ckpt_dir)")
+                                  : "checkpoint written to " + saved + "; continue with --resume"));
+  }
+}
+
+std::string Trainer::save_checkpoint(int64_t step) {
+  dtrain::CheckpointOptions o;
+  o.format = c_.ckpt_format;
+  o.keep = c_.ckpt_keep;
+  dtrain::TrainingState state;
+  state.step = step;
+  state.values["seed"] = std::to_string(c_.seed);
+  state.values["global_batch"] = std::to_string(c_.batch * info_.world_size * c_.grad_accum);
+  const dtrain::CheckpointStats stats =
+      dtrain::save_checkpoint(c_.ckpt_dir, *strategy_, optimizer_.get(), state, o);
+  say(fmt::format("checkpoint: step {} to {} ({:.1f} MiB written in {:.2f} s on rank 0)", step,
+                  stats.path, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  return stats.path;
+}
+
+// --export: the full fp32 weights (gathered under FSDP, a collective) written by rank 0.
+void Trainer::export_weights() {
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  if (auto* fsdp = dynamic_cast<dtrain::FullyShardedDataParallel*>(strategy_.get())) {
+    auto full = fsdp->full_state_dict();
+    auto names = model_->named_parameters(true);
+    for (auto& [name, t] : full) {
+      if (names.contains(name)) params.emplace_back(name, t);
+    }
+  } else {
+    for (const auto& item : model_->named_parameters(true)) {
+      params.emplace_back(item.key(), item.value());
+    }
+  }
+  if (!rank0()) return;
+  export_hf_safetensors(c_.export_path, params);
+  say(fmt::format("export: {} tensors in Hugging Face GPT-2 layout to {}", params.size(),
+                  c_.export_path));
+}
+
+}  // namespace gpt2

@@ -1,0 +1,259 @@
+// The trainer's set-up, in the order run() calls it: process, device and communicator,
+// data, model and strategy, optimizer, schedule.
+#include <ATen/Parallel.h>
+#include <ATen/Context.h>
+#include <sched.h>
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "dtrain/comm_hook.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/host_memory.h"
+#include "dtrain/single_device.h"
+#include "hf_weights.h"
+#include "trainer.h"
+
+namespace gpt2 {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+fs::path data_dir() {
+  const char* env = std::getenv("DTRAIN_DATA_DIR");
+  return env != nullptr && *env != '\0' ? fs::path(env) : fs::path(GPT2_DEFAULT_DATA_DIR);
+}
+
+int available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+// Intra-op threads, the BLAS note from main, and the allocator.
+void Trainer::setup_process() {
+  threads_ = c_.threads > 0 ? c_.threads : std::max(1, available_cores() / info_.local_world_size);
+  at::set_num_threads(threads_);
+  say("blas: " + blas_.plan.note);
+  if (c_.malloc_tuning) {
+    const bool tuned = dtrain::tune_host_memory();
+    say(tuned ? "host memory: blocks >= 64 KiB from mmap, heap trimmed above 128 KiB "
+                "(--malloc_tuning=false: glibc's defaults)"
+              : "host memory: glibc refused the tuning; running with its defaults");
+  }
+}
+
+void Trainer::setup_device_and_comm() {
+  dtrain::CommunicatorOptions options;
+  options.timeout = std::chrono::seconds(c_.timeout_s);
+  if (c_.device == DeviceKind::kCuda) {
+    check(torch::cuda::is_available(), "--device cuda: LibTorch sees no CUDA device");
+    const auto n = static_cast<int>(torch::cuda::device_count());
+    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info_.local_rank % n));
+    options.backend = dtrain::Backend::kNccl;
+    options.device_index = device_.index();
+  }
+  if (c_.strategy == StrategyKind::kSingle) {
+    check(info_.world_size == 1,
+          fmt::format("--strategy single runs one rank, but WORLD_SIZE is {} (drop --nproc, or "
+                      "use ddp/fsdp)",
+                      info_.world_size));
+    return;
+  }
+  if (info_.world_size > 1) {
+    check(dtrain::is_backend_available(options.backend),
+          std::string("this build has no ") + dtrain::to_string(options.backend) + " backend");
+    store_ = dtrain::connect_store(info_, options.timeout);
+    comm_ = dtrain::make_communicator(store_, info_.rank, info_.world_size,
+                                      info_.communicator_options(options));
+  } else {
+    comm_ = dtrain::init_communicator(info_, options);
+  }
+}
+
+void Trainer::setup_data() {
+  const fs::path dir = data_dir();
+  const fs::path vocab_dir = c_.vocab_dir.empty() ? dir / "gpt2" : fs::path(c_.vocab_dir);
+  const std::string tokenizer = to_string(c_.tokenizer);
+  // Random tokens need no vocabulary: without GPT-2's files the model gets GPT-2's size and
+  // the run ends without a sample.
+  if (c_.data != DataKind::kRandom || c_.tokenizer != TokenizerKind::kGpt2 ||
+      has_gpt2_vocabulary(vocab_dir)) {
+    tokenizer_ = make_tokenizer(tokenizer, vocab_dir);
+  }
+  const int64_t ids = tokenizer_ ? tokenizer_->vocab_size() : kGpt2VocabSize;
+  const int64_t vocab = c_.vocab > 0 ? c_.vocab : ids;
+  check(vocab >= ids,
+        fmt::format("--vocab {} is smaller than the {} tokenizer's {} ids", vocab, tokenizer, ids));
+  c_.gpt.vocab_size = vocab;
+
+  TokenView tokens;
+  if (c_.data == DataKind::kRandom) {
+    tokens = make_random_tokens(c_.max_tokens > 0 ? c_.max_tokens : int64_t{1} << 20, ids,
+                                static_cast<uint64_t>(c_.seed));
+    say(fmt::format("data: {} random tokens", tokens.size()));
+  } else {
+    const fs::path source = c_.data_path.empty() ? dir / "sotu.txt" : fs::path(c_.data_path);
+    check(fs::exists(source), "no corpus at " + source.string() +
+                                  " (run scripts/fetch-data.sh, set DTRAIN_DATA_DIR, or pass "
+                                  "--data PATH or --data random)");
+    // The first local rank tokenizes (once, into the cache); the others then read the cache.
+    LoadedTokens loaded;
+    if (info_.local_rank == 0) {
+      const auto t0 = Clock::now();
+      loaded = load_tokens(source, *tokenizer_);
+      if (!loaded.from_cache) {
+        say(fmt::format("data: tokenized {} in {:.1f} s", source.string(),
+                        std::chrono::duration<double>(Clock::now() - t0).count()));
+      }
+    }
+    if (comm_ && info_.world_size > 1) comm_->barrier_sync();
+    if (info_.local_rank != 0) loaded = load_tokens(source, *tokenizer_);
+    tokens = loaded.tokens;
+    say(fmt::format("data: {} ({} {} tokens, cache {})", source.string(), tokens.size(),
+                    tokenizer_->name(), loaded.cache_path.string()));
+  }
+  if (c_.max_tokens > 0 && tokens.size() > c_.max_tokens) {
+    tokens = tokens.slice(0, c_.max_tokens);
+  }
+  const TrainValSplit split = split_train_val(tokens, c_.val_fraction);
+  train_tokens_ = split.train;
+  val_tokens_ = split.val;
+
+  SamplerOptions so;
+  so.seq_len = c_.gpt.context;
+  so.batch_size = c_.batch;
+  so.rank = info_.rank;
+  so.world_size = info_.world_size;
+  so.seed = static_cast<uint64_t>(c_.seed);
+  const int64_t global_tokens = (so.seq_len * so.batch_size * so.world_size) + 1;
+  check(train_tokens_.size() >= global_tokens,
+        fmt::format("the training split has {} tokens, fewer than one global batch needs ({} x "
+                    "{} ranks x {} tokens + 1); raise --max_tokens or lower --batch/--ctx",
+                    train_tokens_.size(), so.batch_size, so.world_size, so.seq_len));
+  train_sampler_ = std::make_unique<DistributedSampler>(train_tokens_.size(), so);
+  // Validation batches are whole optimizer-step batches (batch x grad_accum per rank), so
+  // runs with the same global batch validate on the same sequences whatever the split
+  // into ranks and micro-batches.
+  so.shuffle = false;
+  so.batch_size = c_.batch * c_.grad_accum;
+  if (val_tokens_.size() >= so.seq_len * so.batch_size * so.world_size + 1) {
+    val_sampler_ = std::make_unique<DistributedSampler>(val_tokens_.size(), so);
+  } else {
+    say(fmt::format(
+        "data: validation disabled: the validation split ({} tokens) holds no global batch",
+        val_tokens_.size()));
+  }
+}
+
+void Trainer::setup_model_and_strategy() {
+  at::manual_seed(static_cast<uint64_t>(c_.seed));  // identical initial weights on every rank
+  model_ = Gpt(c_.gpt);
+  model_->to(device_);
+  say(fmt::format("model: {} ({}), {:.2f}M parameters{}", c_.model, c_.gpt.to_string(),
+                  static_cast<double>(count_parameters(c_.gpt)) / 1e6,
+                  c_.gpt.activation_checkpointing ? ", activation checkpointing" : ""));
+  if (!c_.init_from.empty()) {
+    init_from_hf_safetensors(c_.init_from, model_);
+    say(fmt::format("model: initialized from {}", c_.init_from));
+  }
+  auto module = std::static_pointer_cast<torch::nn::Module>(model_.ptr());
+
+  std::string details;
+  switch (c_.strategy) {
+    case StrategyKind::kSingle: {
+      dtrain::SingleDeviceOptions o;
+      o.device = device_;
+      strategy_ = std::make_shared<dtrain::SingleDevice>(module, o);
+      break;
+    }
+    case StrategyKind::kDdp: {
+      dtrain::DataParallelOptions o;
+      o.bucket_cap_mb = c_.bucket_mb;
+      if (c_.comm_hook == CommHookKind::kFp16) o.comm_hook = dtrain::fp16_compress_hook();
+      if (c_.comm_hook == CommHookKind::kBf16) o.comm_hook = dtrain::bf16_compress_hook();
+      if (c_.comm_hook == CommHookKind::kParameterServer) {
+        o.comm_hook = dtrain::parameter_server_hook(0);
+      }
+      auto ddp = std::make_shared<dtrain::DataParallel>(module, comm_, o);
+      ddp_ = ddp.get();
+      strategy_ = ddp;
+      details =
+          fmt::format(", comm hook {}, buckets {} MiB", to_string(c_.comm_hook), c_.bucket_mb);
+      break;
+    }
+    case StrategyKind::kFsdp: {
+      dtrain::FsdpOptions o;
+      o.wrap_policy = dtrain::wrap_modules_named("BlockImpl");
+      o.sharding = c_.sharding;
+      o.backward_prefetch = c_.prefetch;
+      o.forward_prefetch = c_.forward_prefetch;
+      if (c_.precision == Precision::kBf16) o.mixed_precision.param_dtype = at::kBFloat16;
+      if (c_.precision == Precision::kFp16) o.mixed_precision.param_dtype = at::kHalf;
+      if (c_.comm_hook == CommHookKind::kBf16) o.mixed_precision.reduce_dtype = at::kBFloat16;
+      if (c_.comm_hook == CommHookKind::kFp16) o.mixed_precision.reduce_dtype = at::kHalf;
+      if (o.sharding == dtrain::ShardingStrategy::kHybridShard) {
+        const int group = c_.shard_group_size > 0 ? c_.shard_group_size : info_.local_world_size;
+        check(store_ != nullptr && info_.world_size % group == 0,
+              fmt::format("--sharding hybrid needs several ranks and a world size ({}) that is a "
+                          "multiple of the shard group size ({})",
+                          info_.world_size, group));
+        dtrain::CommunicatorOptions go;
+        go.timeout = std::chrono::seconds(c_.timeout_s);
+        if (device_.is_cuda()) {
+          go.backend = dtrain::Backend::kNccl;
+          go.device_index = device_.index();
+        }
+        auto groups = dtrain::make_hybrid_groups(store_, info_.rank, info_.world_size, group,
+                                                 info_.communicator_options(go));
+        o.shard_group = groups.shard_group;
+        o.replicate_group = groups.replicate_group;
+      }
+      strategy_ = std::make_shared<dtrain::FullyShardedDataParallel>(module, comm_, o);
+      details =
+          fmt::format(", sharding {}, prefetch {}, reduce {}", sharding_flag_name(c_.sharding),
+                      prefetch_flag_name(c_.prefetch), to_string(c_.comm_hook));
+      break;
+    }
+  }
+  say(fmt::format("strategy: {} on {} rank(s), device {}, precision {}{}", strategy_->name(),
+                  info_.world_size, device_.str(), to_string(c_.precision), details));
+}
+
+// AdamW over what the strategy steps (FSDP: its fp32 shards).
+void Trainer::setup_optimizer() {
+  optimizer_ = std::make_unique<torch::optim::AdamW>(
+      strategy_->parameters(),
+      torch::optim::AdamWOptions(c_.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(c_.weight_decay));
+}
+
+Trainer::Schedule Trainer::plan_schedule() {
+  Schedule s;
+  const int64_t micro_per_epoch = train_sampler_->steps_per_epoch();
+  s.steps_per_epoch = micro_per_epoch / c_.grad_accum;
+  if (c_.steps_per_epoch > 0) s.steps_per_epoch = std::min(s.steps_per_epoch, c_.steps_per_epoch);
+  check(s.steps_per_epoch > 0,
+        fmt::format("an epoch holds {} global micro-batches, fewer than --grad_accum {}",
+                    micro_per_epoch, c_.grad_accum));
+  s.total_steps = c_.steps > 0 ? c_.steps : c_.epochs * s.steps_per_epoch;
+  s.epochs = (s.total_steps + s.steps_per_epoch - 1) / s.steps_per_epoch;
+  const int64_t global_batch = c_.batch * info_.world_size * c_.grad_accum;
+  s.tokens_per_step = global_batch * c_.gpt.context;
+  say(
+      fmt::format("schedule: {} train / {} val tokens; {} steps in {} epoch(s) of up to {} steps; "
+                  "global batch {} sequences x {} tokens; {} thread(s) per rank",
+                  train_tokens_.size(), val_tokens_.size(), s.total_steps, s.epochs,
+                  s.steps_per_epoch, global_batch, c_.gpt.context, threads_));
+  return s;
+}
+
+}  // namespace gpt2
