@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 
 #include "blas_setup.h"
 #include "dtrain/errors.h"
+#include "dtrain/host_memory.h"
 #include "dtrain/rendezvous.h"
 #include "flags.h"
 #include "dtrain/launcher.h"
@@ -31,29 +33,46 @@
 namespace gpt2 {
 namespace {
 
-// OpenBLAS chose its kernels when this process loaded it, so the plan's choice takes effect
-// only in a new process image: exec keeps the pid (a launcher supervising this rank sees no
-// difference) and the arguments, and the DTRAIN_BLAS_CHOICE it adds prevents a second restart.
-// Returns only when exec fails.
-void restart_with(BlasSetup& blas, char** argv) {
-  fmt::print("blas: {}; restarting with it (--blas_kernel keep: run as loaded)\n", blas.plan.note);
+// Variables that take effect only when a process starts: the BLAS plan's (OpenBLAS chose its
+// kernels when it was loaded) and, with --malloc_tuning, glibc's huge-page tunable
+// (dtrain/host_memory.h). Neither overrides what the user set.
+std::map<std::string, std::string> start_environment(const Config& c, const BlasSetup& blas) {
+  std::map<std::string, std::string> env = blas.plan.environment;
+  if (c.malloc_tuning) {
+    env.merge(dtrain::host_memory_environment(dtrain::host_memory_environment_from_env()));
+  }
+  return env;
+}
+
+// Restarts this process with `env` added: exec keeps the pid (a launcher supervising this
+// rank sees no difference) and the arguments, and the variables it adds (DTRAIN_BLAS_CHOICE,
+// GLIBC_TUNABLES) prevent a second restart. Returns only when exec fails.
+void restart_with(BlasSetup& blas, const std::map<std::string, std::string>& env_added,
+                  char** argv) {
+  if (blas.plan.action == dtrain::BlasKernelPlan::Action::kSelect) {
+    fmt::print("blas: {}; restarting with it (--blas_kernel keep: run as loaded)\n",
+               blas.plan.note);
+  }
   std::fflush(stdout);
-  std::vector<std::string> env = dtrain::launcher::environment_with(blas.plan.environment);
+  std::vector<std::string> env = dtrain::launcher::environment_with(env_added);
   std::vector<char*> envp;
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   execve("/proc/self/exe", argv, envp.data());
-  blas.plan.note = blas.info.to_string() + fmt::format(" (restarting with {} failed: {})",
-                                                       blas.plan.kernel, std::strerror(errno));
-  fmt::print(stderr, "gpt2_train: blas: {}\n", blas.plan.note);
+  const std::string failure = fmt::format("restarting failed: {}", std::strerror(errno));
+  if (blas.plan.action == dtrain::BlasKernelPlan::Action::kSelect) {
+    blas.plan.note = blas.info.to_string() + fmt::format(" ({} with {})", failure, blas.plan.kernel);
+  }
+  fmt::print(stderr, "gpt2_train: {}; running as started\n", failure);
 }
 
 // Parent of --nproc N: starts N copies of this program as the ranks and supervises them.
-// The ranks' environment gets the BLAS plan's variables.
-int launch_self(const Config& c, int argc, char** argv, const dtrain::BlasKernelPlan& blas) {
+// The ranks' environment gets start_environment()'s variables.
+int launch_self(const Config& c, int argc, char** argv, const dtrain::BlasKernelPlan& blas,
+                std::map<std::string, std::string> environment) {
   dtrain::launcher::NodeOptions o;
   o.name = "gpt2_train";
-  o.environment = blas.environment;
+  o.environment = std::move(environment);
   if (blas.action == dtrain::BlasKernelPlan::Action::kSelect) {
     fmt::print("blas: {}; the ranks start with it\n", blas.note);
     std::fflush(stdout);
@@ -88,10 +107,11 @@ int main(int argc, char** argv) {
     }
     gpt2::Config config = gpt2::config_from_flags();
     gpt2::BlasSetup blas = gpt2::blas_setup(config.blas_kernel);
-    if (!launched && config.nproc > 1) return gpt2::launch_self(config, argc, argv, blas.plan);
-    if (blas.plan.action == dtrain::BlasKernelPlan::Action::kSelect) {
-      gpt2::restart_with(blas, argv);
+    const auto start_env = gpt2::start_environment(config, blas);
+    if (!launched && config.nproc > 1) {
+      return gpt2::launch_self(config, argc, argv, blas.plan, start_env);
     }
+    if (!start_env.empty()) gpt2::restart_with(blas, start_env, argv);
     const dtrain::LaunchInfo info = dtrain::LaunchInfo::from_env();
     rank = info.rank;
     gpt2::Trainer(std::move(config), info, std::move(blas)).run();

@@ -46,8 +46,9 @@ void Trainer::setup_process() {
   say("blas: " + blas_.plan.note);
   if (c_.malloc_tuning) {
     const bool tuned = dtrain::tune_host_memory();
-    say(tuned ? "host memory: blocks >= 64 KiB from mmap, heap trimmed above 128 KiB "
-                "(--malloc_tuning=false: glibc's defaults)"
+    say(tuned ? fmt::format("host memory: blocks >= 4 MiB from mmap, heap trimmed above 4 MiB, "
+                            "huge pages {} (--malloc_tuning=false: glibc's defaults)",
+                            dtrain::malloc_huge_pages_requested() ? "requested" : "not requested")
               : "host memory: glibc refused the tuning; running with its defaults");
   }
 }
