@@ -4,6 +4,7 @@
 
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
+#include "fsdp/unit_plan.h"
 
 namespace dtrain {
 
@@ -40,4 +41,37 @@ HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int worl
   return g;
 }
 
+namespace fsdp {
+
+std::vector<UnitPlan> plan_units(const std::shared_ptr<torch::nn::Module>& module,
+                                 const WrapPolicy& policy) {
+  std::vector<UnitPlan> units(1);
+  units[0].name = "(root)";
+  units[0].module = module.get();
+  std::vector<std::string> prefixes = {""};
+  if (policy) {
+    for (const auto& item : module->named_modules("", /*include_self=*/false)) {
+      if (!policy(item.key(), *item.value())) continue;
+      UnitPlan u;
+      u.name = item.key();
+      u.module = item.value().get();
+      units.push_back(std::move(u));
+      prefixes.push_back(item.key() + ".");
+    }
+  }
+  // Every trainable parameter belongs to its innermost unit (longest name prefix).
+  for (const auto& item : module->named_parameters(true)) {
+    if (!item.value().requires_grad()) continue;
+    size_t best = 0;
+    for (size_t k = 1; k < prefixes.size(); ++k) {
+      if (item.key().rfind(prefixes[k], 0) == 0 && prefixes[k].size() > prefixes[best].size())
+        best = k;
+    }
+    units[best].params.push_back(item.value());
+    units[best].param_names.push_back(item.key());
+  }
+  return units;
+}
+
+}  // namespace fsdp
 }  // namespace dtrain

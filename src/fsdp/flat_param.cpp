@@ -1,0 +1,104 @@
+#include "fsdp/flat_param.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "compat/torch_compat.h"
+#include "dtrain/communicator.h"
+#include "dtrain/errors.h"
+
+namespace dtrain::fsdp {
+
+FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
+                     FlatParamOptions options)
+    : options_(options), params_(std::move(params)), names_(std::move(names)) {
+  if (options_.shard_size < 1 || options_.shard_rank < 0 ||
+      options_.shard_rank >= options_.shard_size) {
+    throw InvalidArgument("FlatParam: shard rank must be in [0, shard size)");
+  }
+  if (names_.size() != params_.size()) {
+    throw InvalidArgument("FlatParam: one name per parameter");
+  }
+  c10::NoGradGuard no_grad;
+  for (const auto& p : params_) {
+    offsets_.push_back(numel_);
+    numel_ += p.numel();
+  }
+  // At least one element, so that every unit has a shard (and a collective) on every rank.
+  padded_ = padded_size(std::max<int64_t>(numel_, 1), options_.shard_size);
+  const auto device = params_.empty() ? c10::Device(c10::kCPU) : params_.front().device();
+  at::Tensor flat32 = at::zeros({padded_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    flat32.narrow(0, offsets_[i], params_[i].numel()).copy_(params_[i].reshape({-1}));
+  }
+  shares_memory_ = options_.shard_size == 1 && options_.param_dtype == at::kFloat;
+  if (shares_memory_) {
+    // The master copy and the module's parameters are the same memory: the optimizer's
+    // update needs no copy, and keeping two would cost more than DataParallel.
+    full_ = flat32;
+    shard_ = at::empty({0}, flat32.options());
+    shard_.set_(flat32.storage(), 0, {padded_}, {1});
+  } else {
+    shard_ = flat32.narrow(0, shard_begin(), shard_numel()).clone();
+    full_ = flat32.to(options_.param_dtype).clone();  // a storage of its own
+  }
+  shard_.requires_grad_(true);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = params_[i];
+    p.set_data(full_.narrow(0, offsets_[i], p.numel()).view(p.sizes()));
+  }
+}
+
+FlatParam::ShardRange FlatParam::shard_range(size_t i) const {
+  const int64_t begin = shard_begin(), end = begin + shard_numel();
+  const int64_t off = offsets_[i], n = params_[i].numel();
+  const int64_t lo = std::max(off, begin), hi = std::min(off + n, end);
+  if (hi <= lo) return {};
+  return ShardRange{lo - off, hi - off, lo - begin};
+}
+
+bool FlatParam::released() const { return compat::storage_is_released(full_); }
+
+void FlatParam::release() {
+  // One shard: the memory is kept (it is the whole model's copy on this rank either way);
+  // the next copy_shard_to_full() refreshes it.
+  if (options_.shard_size == 1 || released()) return;
+  compat::release_storage(full_);
+}
+
+void FlatParam::refill() {
+  if (!released()) return;
+  compat::refill_storage(full_, static_cast<size_t>(padded_) * full_.element_size());
+}
+
+at::Tensor FlatParam::gather_input() const {
+  c10::NoGradGuard no_grad;
+  return shard_.detach().to(options_.param_dtype);
+}
+
+void FlatParam::copy_shard_to_full() {
+  c10::NoGradGuard no_grad;
+  at::Tensor input = gather_input();
+  // A raw copy: the parameters' version counters must not change (autograd would refuse
+  // the saved views in backward).
+  if (full_.data_ptr() != input.data_ptr()) {
+    std::memcpy(full_.data_ptr(), input.data_ptr(), input.nbytes());
+  }
+}
+
+at::Tensor FlatParam::take_grads(c10::ScalarType dtype) {
+  c10::NoGradGuard no_grad;
+  at::Tensor flat = at::zeros({padded_}, full_.options().dtype(dtype));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = params_[i];
+    if (p.grad().defined()) flat.narrow(0, offsets_[i], p.numel()).copy_(p.grad().reshape({-1}));
+    p.mutable_grad().reset();  // the unsharded gradient is not kept
+  }
+  return flat;
+}
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,100 @@
+// One FSDP unit's parameters as a flat, padded buffer sharded over a shard group (FSDP's
+// FlatParameter; FSDP2's FSDPParam for a whole group). Pure memory and layout, no
+// communication, so it can be tested without a communicator:
+//
+//   layout  parameter i is elements [offset(i), offset(i) + numel(i)) of the flat buffer of
+//           `padded` elements (numel rounded up to a multiple of the shard group size);
+//   shard   this rank's fp32 master copy of elements [shard_begin, shard_begin + shard_numel):
+//           a leaf tensor the optimizer steps;
+//   full    the whole flat buffer in the compute dtype; the module's parameter tensors are
+//           views into it (set_data at construction), so gathering into `full` is what makes
+//           the module's parameters current;
+//   release / refill  free full's memory between uses while keeping its storage object, which
+//           the parameter views and autograd's saved tensors share: once refilled (and
+//           gathered into), they all see the data again.
+//
+// With one shard (no shard group) and fp32 compute, `shard` and `full` are the same memory:
+// the optimizer's update is the module's parameter, and nothing is ever released.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain::fsdp {
+
+struct FlatParamOptions {
+  int shard_size = 1;  // ranks the flat buffer is sharded over
+  int shard_rank = 0;  // this rank's position among them
+  c10::ScalarType param_dtype = c10::ScalarType::Float;  // dtype of `full` (compute)
+};
+
+class FlatParam {
+ public:
+  // Flattens `params` (in this order) and makes each of them a view into full(). The
+  // parameters' current values become the shard's (fp32) and full's contents.
+  FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
+            FlatParamOptions options);
+
+  // --- layout ---
+  size_t num_params() const { return params_.size(); }
+  const at::Tensor& param(size_t i) const { return params_[i]; }
+  at::Tensor& param(size_t i) { return params_[i]; }
+  const std::string& name(size_t i) const { return names_[i]; }
+  int64_t offset(size_t i) const { return offsets_[i]; }
+  int64_t numel() const { return numel_; }  // sum of the parameters' sizes
+  int64_t padded() const { return padded_; }  // numel rounded up to the shard group size
+  int64_t shard_numel() const { return padded_ / options_.shard_size; }
+  int64_t shard_begin() const { return options_.shard_rank * shard_numel(); }
+  int shard_size() const { return options_.shard_size; }
+  int shard_rank() const { return options_.shard_rank; }
+  c10::ScalarType param_dtype() const { return options_.param_dtype; }
+
+  // Parameter i's part of this rank's shard: [begin, end) of its own flattened elements,
+  // stored at shard element `shard_offset`. Empty (begin == end) when the shard holds none.
+  struct ShardRange {
+    int64_t begin = 0, end = 0, shard_offset = 0;
+  };
+  ShardRange shard_range(size_t i) const;
+
+  // --- memory ---
+  // fp32 master shard, a leaf (requires grad) that the optimizer steps.
+  const at::Tensor& shard() const { return shard_; }
+  // The flat buffer in the compute dtype, `padded` elements; no memory while released.
+  const at::Tensor& full() const { return full_; }
+  // Whether shard() and full() are one memory (one shard, fp32 compute).
+  bool shares_memory() const { return shares_memory_; }
+
+  bool released() const;
+  // Frees full's memory. The storage object stays, so the parameter views keep pointing at
+  // it. No effect with one shard: an unsharded configuration keeps its memory.
+  void release();
+  // Gives full memory again when released; contents undefined until gathered into or
+  // copied from the shard.
+  void refill();
+
+  // What this rank contributes to the all-gather of full: the shard in the compute dtype.
+  at::Tensor gather_input() const;
+  // Without a shard group: full = the shard in the compute dtype (no copy when shared).
+  void copy_shard_to_full();
+
+  // The parameters' gradients flattened into a new zero-padded buffer of `padded` elements
+  // in `dtype` (parameters without a gradient contribute zeros); the parameters' .grad are
+  // cleared (the unsharded gradient is not kept).
+  at::Tensor take_grads(c10::ScalarType dtype);
+
+ private:
+  FlatParamOptions options_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<int64_t> offsets_;
+  int64_t numel_ = 0, padded_ = 0;
+  at::Tensor full_;
+  at::Tensor shard_;
+  bool shares_memory_ = false;
+};
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,59 @@
+// The FullyShardedDataParallel façade's state: options turned into groups and dtypes, the
+// schedule (which owns the units), and the step agreements. fsdp.cpp runs a step through
+// them; state.cpp reads and writes the training state (state dicts, checkpoint layout).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/fsdp.h"
+#include "fsdp/schedule.h"
+#include "strategy/step_sync.h"
+
+namespace dtrain {
+
+class FullyShardedDataParallel::Impl {
+ public:
+  Impl(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm, FsdpOptions options);
+  ~Impl();
+
+  void begin_forward();
+  void end_forward(at::Tensor& output);
+  void forward_failed(std::exception_ptr error);
+  void finish();
+  void backward(const at::Tensor& loss);
+  double grad_norm();
+  int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();
+  StateLayout state_layout();
+  void state_loaded();
+
+  const CommunicatorPtr& comm() const { return comm_; }
+  const fsdp::Schedule& schedule() const { return *schedule_; }
+  std::vector<at::Tensor> shards() const;
+
+ private:
+  ErrorContext ctx(const char* op) const {
+    return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
+  }
+  void build_units();
+  void reset_after_failure();
+
+  CommunicatorPtr comm_;
+  std::shared_ptr<torch::nn::Module> module_;
+  FsdpOptions options_;
+  int shard_size_ = 1, shard_rank_ = 0;
+  c10::ScalarType param_dtype_ = c10::ScalarType::Float;
+  std::unique_ptr<fsdp::Schedule> schedule_;
+  StepSync steps_;
+  bool training_forward_ = false;  // the running forward() has grad mode on
+};
+
+}  // namespace dtrain

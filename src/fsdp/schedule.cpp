@@ -1,0 +1,274 @@
+#include "fsdp/schedule.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "dtrain/errors.h"
+
+namespace dtrain::fsdp {
+
+Schedule::Schedule(ScheduleOptions options, UnitComms comms)
+    : options_(options), comms_(std::move(comms)), token_(std::make_shared<Schedule*>(this)) {}
+
+Schedule::~Schedule() { token_.reset(); }
+
+void Schedule::add_unit(std::string name, const torch::nn::Module* module, FlatParam flat) {
+  const int index = static_cast<int>(units_.size());
+  unit_of_module_[module] = index;
+  UnitObserver* observer = this;  // the private base, reachable here
+  units_.emplace_back(index, std::move(name), module, std::move(flat), &comms_, observer);
+  ran_.push_back(0);
+  Unit& u = units_.back();
+  std::weak_ptr<Schedule*> weak = token_;
+  u.hook_gradients([weak, index] {
+    if (auto self = weak.lock()) (*self)->on_grad_ready(index);
+  });
+  if (sharded()) u.reshard();
+}
+
+int Schedule::unit_of(const torch::nn::Module& m) const {
+  auto it = unit_of_module_.find(&m);
+  return it == unit_of_module_.end() ? -1 : it->second;
+}
+
+std::vector<std::string> Schedule::log() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return log_;
+}
+
+void Schedule::issued(Collective kind, int unit, int64_t bytes) {
+  if (in_backward_) backward_log_.push_back(Issued{kind, unit});
+  stats_.bytes_communicated += bytes;
+  stats_.num_collectives += 1;
+}
+
+void Schedule::waited(Clock::duration d) {
+  stats_.comm_wait_s += std::chrono::duration<double>(d).count();
+}
+
+void Schedule::prefetch(int index, const char* why) {
+  if (index <= 0 || index >= static_cast<int>(units_.size()) || !sharded()) return;
+  Unit& u = units_[index];
+  if (u.param_state() != Unit::ParamState::kSharded) return;
+  int ahead = 0;
+  for (size_t k = 1; k < units_.size(); ++k) {
+    ahead += units_[k].param_state() == Unit::ParamState::kGathering;
+  }
+  if (ahead >= options_.limit_all_gathers) return;
+  u.unshard(why);
+}
+
+// --- forward ---
+
+void Schedule::begin_forward() {
+  forward_order_.clear();
+  std::fill(ran_.begin(), ran_.end(), 0);
+  units_[0].ensure_unsharded();
+  if (options_.forward_prefetch && !recorded_order_.empty()) {
+    prefetch(recorded_order_[0], " (prefetch)");
+  }
+}
+
+int Schedule::enter_unit(const torch::nn::Module& m) {
+  const int index = unit_of(m);
+  if (index <= 0) return -1;
+  Unit& u = units_[index];
+  const size_t position = forward_order_.size();
+  if (recorded_ && (position >= recorded_order_.size() || recorded_order_[position] != index)) {
+    throw InvalidArgument(
+        ErrorContext{comms_.rank, comms_.world_size, "forward", -1},
+        fmt::format("unit execution order changed: unit #{} of this forward is '{}', the first "
+                    "iteration ran '{}' there; FSDP needs the same order every iteration",
+                    position, u.name(),
+                    position < recorded_order_.size() ? units_[recorded_order_[position]].name()
+                                                      : "nothing"));
+  }
+  forward_order_.push_back(index);
+  ran_[index] = 1;
+  u.ensure_unsharded();
+  if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
+    prefetch(recorded_order_[position + 1], " (prefetch)");
+  }
+  return static_cast<int>(position);
+}
+
+void Schedule::exit_unit(int position, bool threw) {
+  Unit& u = units_[forward_order_[position]];
+  if (!frees_after_forward()) return;
+  if (threw && u.param_state() != Unit::ParamState::kUnsharded) return;
+  u.reshard();
+}
+
+void Schedule::hook_output(int position, const at::Tensor& output) {
+  if (!output.defined() || !output.requires_grad()) return;
+  std::weak_ptr<Schedule*> weak = token_;
+  output.register_hook([weak, position](const at::Tensor&) {
+    if (auto self = weak.lock()) (*self)->pre_backward(position);
+  });
+}
+
+void Schedule::end_forward(Communicator& world) {
+  const ErrorContext ctx{comms_.rank, comms_.world_size, "forward", -1};
+  if (!recorded_) {
+    for (size_t k = 1; k < units_.size(); ++k) {
+      if (!ran_[k]) {
+        throw InvalidArgument(ctx, fmt::format("unit '{}' was never run through dtrain::unit_call; "
+                                               "wrap its forward call or change the wrap policy",
+                                               units_[k].name()));
+      }
+    }
+    // Every rank must run units in the same order: compare a digest of it.
+    // FNV-1a in unsigned arithmetic (wraps by definition; signed overflow would be UB).
+    uint64_t digest = 14695981039346656037ULL;
+    for (int i : forward_order_) digest = (digest ^ static_cast<uint32_t>(i)) * 1099511628211ULL;
+    const int n = world.world_size();
+    int64_t as_signed = 0;
+    std::memcpy(&as_signed, &digest, sizeof(digest));
+    at::Tensor mine = at::full({1}, as_signed, at::kLong);
+    at::Tensor all = at::empty({n}, at::kLong);
+    try {
+      world.all_gather(all, mine)->wait();
+    } catch (...) {
+      failed_ = true;
+      throw;
+    }
+    for (int r = 0; r < n; ++r) {
+      if (all[r].item<int64_t>() != as_signed) {
+        throw InvalidArgument(ctx, fmt::format("units ran in a different order on rank {}", r));
+      }
+    }
+    recorded_order_ = forward_order_;
+    for (int i : recorded_order_) order_names_.push_back(units_[i].name());
+    recorded_ = true;
+  }
+  // Gradients reduce in reverse execution order, the root (whose parameters, e.g. input
+  // embeddings, finish last) at the end. A unit run several times (weight sharing) reduces
+  // once: its gradients are complete after the backward of its first use, so it takes the
+  // place of its first use.
+  std::vector<char> seen(units_.size(), 0);
+  reduce_order_.clear();
+  for (int i : recorded_order_) {
+    if (!seen[i]) reduce_order_.push_back(i);
+    seen[i] = 1;
+  }
+  std::reverse(reduce_order_.begin(), reduce_order_.end());
+  reduce_order_.push_back(0);
+}
+
+// --- backward ---
+
+void Schedule::arm() {
+  next_reduce_ = 0;
+  for (auto& u : units_) u.arm();
+  backward_log_.clear();
+  in_backward_ = true;
+  armed_ = true;
+}
+
+// `position`: the unit's place in the forward order, whose output's gradient just arrived.
+void Schedule::pre_backward(int position) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) return;
+  Unit& u = units_[recorded_order_[position]];
+  if (u.param_state() == Unit::ParamState::kSharded) u.unshard("");
+  // Backward runs units in reverse forward order: the next one to need its parameters
+  // is the unit before this one in the forward order.
+  const int next = position > 0 ? recorded_order_[position - 1] : -1;
+  if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch(next, " (prefetch)");
+  if (u.param_state() == Unit::ParamState::kGathering) u.wait_unsharded();
+}
+
+void Schedule::on_grad_ready(int index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) return;
+  if (units_[index].gradient_arrived()) launch_ready_reductions();
+}
+
+void Schedule::launch_ready_reductions() {
+  // Strictly in the agreed order, so every rank issues the same collectives in the same order.
+  while (next_reduce_ < reduce_order_.size() && units_[reduce_order_[next_reduce_]].pending() <= 0) {
+    if (next_reduce_ == 0) first_reduce_ = Clock::now();
+    units_[reduce_order_[next_reduce_]].launch_reduction();
+    ++next_reduce_;
+    if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
+        next_reduce_ < reduce_order_.size()) {
+      prefetch(reduce_order_[next_reduce_], " (prefetch)");
+    }
+  }
+}
+
+void Schedule::flush() {
+  for (auto& u : units_) u.stop_waiting();
+  launch_ready_reductions();
+}
+
+void Schedule::complete() {
+  for (int index : reduce_order_) units_[index].complete_reduction();
+}
+
+void Schedule::accumulate() {
+  for (int index : reduce_order_) units_[index].accumulate();
+}
+
+void Schedule::reshard_all() {
+  for (auto& u : units_) u.reshard_any();
+}
+
+// --- failures ---
+
+void Schedule::replay(const std::vector<Issued>& ops, size_t from) {
+  c10::NoGradGuard no_grad;
+  for (size_t k = from; k < ops.size(); ++k) {
+    const FlatParam& f = units_[ops[k].unit].flat();
+    const std::string& name = units_[ops[k].unit].name();
+    const auto param = f.full().options().dtype(f.param_dtype());
+    const auto reduce = f.full().options().dtype(comms_.reduce_dtype);
+    switch (ops[k].kind) {
+      case Collective::kAllGather:
+        comms_.shard->all_gather(at::empty({f.padded()}, param), at::zeros({f.shard_numel()}, param))
+            ->wait();
+        record("all_gather:" + name + " (replay)");
+        break;
+      case Collective::kReduceScatter:
+        comms_.shard
+            ->reduce_scatter(at::empty({f.shard_numel()}, reduce), at::zeros({f.padded()}, reduce),
+                             ReduceOp::kAvg)
+            ->wait();
+        record("reduce_scatter:" + name + " (replay)");
+        break;
+      case Collective::kAllReduce:
+        comms_.replicate->all_reduce(at::zeros({f.shard_numel()}, reduce), ReduceOp::kAvg)->wait();
+        record("all_reduce:" + name + " (replay)");
+        break;
+    }
+  }
+}
+
+void Schedule::finish_forward_as_peers_do() {
+  // The unit calls without their forward: the decisions (gather, prefetch, free) depend only
+  // on the unit order and the units' states, which match the peers' at this point.
+  for (size_t position = forward_order_.size(); position < recorded_order_.size(); ++position) {
+    Unit& u = units_[recorded_order_[position]];
+    u.ensure_unsharded();
+    if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
+      prefetch(recorded_order_[position + 1], " (prefetch)");
+    }
+    if (frees_after_forward()) u.reshard();
+  }
+}
+
+void Schedule::reset() {
+  armed_ = false;
+  in_backward_ = false;
+  next_reduce_ = 0;
+  backward_log_.clear();
+  for (auto& u : units_) u.reset();
+}
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,172 @@
+// The FSDP schedule: which unit moves when. It owns the units and drives their transitions
+// (fsdp/unit.h) from four kinds of events:
+//
+//   forward    begin_forward() gathers the root; enter_unit() / exit_unit() bracket a unit's
+//              forward (gather before, free after under FULL_SHARD / HYBRID_SHARD, forward
+//              prefetch of the next unit); hook_output() arranges the pre-backward gather on
+//              the unit's output; end_forward() records and checks the unit order.
+//   backward   arm() at its start; a hook on each parameter's gradient accumulator counts the
+//              unit down, and reductions launch strictly in the agreed reverse order, so every
+//              rank issues the same collectives in the same order; flush() launches what got
+//              no gradient, complete() waits, accumulate() adds the shards' gradients.
+//   prefetch   BACKWARD_PRE gathers the next unit when a unit's backward starts, BACKWARD_POST
+//              once a unit's reduction is issued, forward prefetch while a unit's forward runs;
+//              at most limit_all_gathers units are gathered ahead of use.
+//   failures   finish_forward_as_peers_do() and replay() issue, with dummy buffers, what a
+//              peer whose step succeeded still issues; reset() returns every unit to
+//              SHARDED / IDLE.
+//
+// The unit order is recorded in the first iteration (compared across ranks by a digest) and
+// any later change is an error.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dtrain/communicator.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/strategy.h"
+#include "fsdp/unit.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace dtrain::fsdp {
+
+struct ScheduleOptions {
+  ShardingStrategy sharding = ShardingStrategy::kFullShard;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = false;
+  int limit_all_gathers = 2;
+};
+
+class Schedule final : private UnitObserver {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Schedule(ScheduleOptions options, UnitComms comms);
+  ~Schedule() override;
+  Schedule(const Schedule&) = delete;
+  Schedule& operator=(const Schedule&) = delete;
+
+  // Adds a unit (index 0, the first added, is the root) owning `flat`. Its gradients are
+  // hooked; under a shard group it is resharded at once.
+  void add_unit(std::string name, const torch::nn::Module* module, FlatParam flat);
+
+  size_t num_units() const { return units_.size(); }
+  Unit& unit(size_t index) { return units_[index]; }
+  const Unit& unit(size_t index) const { return units_[index]; }
+  const UnitComms& comms() const { return comms_; }
+  // Index of the unit whose module is `m`; -1 when `m` is not a unit.
+  int unit_of(const torch::nn::Module& m) const;
+
+  // --- forward ---
+  void begin_forward();
+  // Enter a unit's forward: checks the order, gathers it, prefetches the next. Returns its
+  // position in this forward's order (what exit_unit and hook_output take), or -1 when `m`
+  // is not a non-root unit (nothing to do).
+  int enter_unit(const torch::nn::Module& m);
+  // Leave it: frees it under FULL_SHARD / HYBRID_SHARD. `threw`: its forward failed, leave it
+  // as a peer's successful call would.
+  void exit_unit(int position, bool threw);
+  // The unit's output: when its gradient arrives, the unit is gathered for its backward.
+  void hook_output(int position, const at::Tensor& output);
+  // End of the forward: in the first iteration, checks that every unit ran and that every
+  // rank of `world` ran them in the same order (a collective), and records the order.
+  void end_forward(Communicator& world);
+  // Whether a forward completed end_forward (the order is recorded).
+  bool order_recorded() const { return recorded_; }
+  // Unit names in forward order, as recorded in the first iteration.
+  const std::vector<std::string>& order_names() const { return order_names_; }
+
+  // --- backward (the caller holds mutex() from arm() to accumulate()) ---
+  void arm();
+  void disarm() { armed_ = false; }
+  // Everything that got no gradient reduces now, in order.
+  void flush();
+  // Waits for every reduction.
+  void complete();
+  // Adds the reduced gradients to the shards' .grad.
+  void accumulate();
+  // Frees every unit (also prefetched but unused ones).
+  void reshard_all();
+  Clock::time_point first_reduction() const { return first_reduce_; }
+
+  // --- failures ---
+  // A collective of a step as another rank issues it, for replaying.
+  struct Issued {
+    Collective kind;
+    int unit;
+    bool operator==(const Issued& o) const { return kind == o.kind && unit == o.unit; }
+  };
+  // Collectives of the running backward so far; of the last successful one.
+  const std::vector<Issued>& backward_log() const { return backward_log_; }
+  const std::vector<Issued>& last_backward_log() const { return last_backward_log_; }
+  void end_backward() { in_backward_ = false; }
+  void keep_backward_log() { last_backward_log_ = backward_log_; }
+  // One of the schedule's collectives or transitions failed in this step.
+  bool failed_in_step() const { return failed_; }
+  void finish_forward_as_peers_do();
+  void replay(const std::vector<Issued>& ops, size_t from);
+  void reset();
+
+  // --- what the step did ---
+  std::mutex& mutex() const { return mu_; }
+  StepStats& stats() { return stats_; }
+  const StepStats& stats() const { return stats_; }
+  void clear_log() { log_.clear(); }
+  std::vector<std::string> log() const;  // takes mutex()
+
+ private:
+  bool sharded() const { return comms_.shard != nullptr; }
+  bool frees_after_forward() const {
+    return options_.sharding == ShardingStrategy::kFullShard ||
+           options_.sharding == ShardingStrategy::kHybridShard;
+  }
+  void prefetch(int index, const char* why);
+  void pre_backward(int position);
+  void on_grad_ready(int index);
+  void launch_ready_reductions();
+
+  // UnitObserver
+  void issued(Collective kind, int unit, int64_t bytes) override;
+  void record(std::string entry) override { log_.push_back(std::move(entry)); }
+  void waited(Clock::duration d) override;
+  void failed() noexcept override { failed_ = true; }
+
+  ScheduleOptions options_;
+  UnitComms comms_;
+  std::vector<Unit> units_;  // units_[0] is the root
+  std::map<const torch::nn::Module*, int> unit_of_module_;
+  // Hooks hold this weakly: a hook that outlives the schedule does nothing.
+  std::shared_ptr<Schedule*> token_;
+
+  // Execution order: unit indices in forward order (recorded each iteration, compared with
+  // the first); reductions launch in the reverse order, root last.
+  std::vector<int> forward_order_, recorded_order_;
+  std::vector<std::string> order_names_;
+  bool recorded_ = false;
+  std::vector<char> ran_;
+  std::vector<int> reduce_order_;
+  size_t next_reduce_ = 0;
+  bool armed_ = false;
+  Clock::time_point first_reduce_;
+
+  bool in_backward_ = false;  // collectives issued now are logged in backward_log_
+  bool failed_ = false;
+  std::vector<Issued> backward_log_, last_backward_log_;
+
+  mutable std::mutex mu_;
+  StepStats stats_;
+  std::vector<std::string> log_;
+};
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,148 @@
+// FullyShardedDataParallel's training state: gradient norm, memory accounting, state dicts
+// and the checkpoint layout (dtrain/checkpoint.h), read from the units' flat parameters.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "fsdp/fsdp_impl.h"
+#include "strategy/state_layout.h"
+
+namespace dtrain {
+
+double FullyShardedDataParallel::Impl::grad_norm() {
+  steps_.check_usable("grad_norm");
+  double sq = 0;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    sq += squared_norm(schedule_->unit(k).flat().shard().grad());
+  }
+  if (const auto& shard = schedule_->comms().shard) {
+    // Shards are disjoint and padding holds zeros: the global sum is the sum of the parts.
+    at::Tensor t = at::full({1}, sq, at::kDouble);
+    shard->all_reduce(t, ReduceOp::kSum)->wait();
+    sq = t.item<double>();
+  }
+  return std::sqrt(sq);
+}
+
+int64_t FullyShardedDataParallel::Impl::model_state_bytes(
+    const std::vector<at::Tensor>& optimizer_state) {
+  std::vector<at::Tensor> all = optimizer_state;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    all.push_back(f.shard());
+    all.push_back(f.shard().grad());
+    all.push_back(f.full());
+    for (size_t i = 0; i < f.num_params(); ++i) all.push_back(f.param(i).grad());
+  }
+  return tensor_bytes(all);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::full_state_dict() {
+  steps_.check_usable("full_state_dict");
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const auto& shard_comm = schedule_->comms().shard;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    // Gather the fp32 master shards (not the compute-dtype copy) so nothing is rounded.
+    at::Tensor flat = at::empty({f.padded()}, f.shard().options().requires_grad(false));
+    if (shard_comm) {
+      shard_comm->all_gather(flat, f.shard().detach())->wait();
+    } else {
+      flat.copy_(f.shard().detach());
+    }
+    if (comm_->rank() != 0) continue;
+    for (size_t i = 0; i < f.num_params(); ++i) {
+      out.emplace_back(f.name(i),
+                       flat.narrow(0, f.offset(i), f.param(i).numel()).view(f.param(i).sizes()).clone());
+    }
+  }
+  if (comm_->rank() == 0) {
+    for (const auto& item : module_->named_buffers(true))
+      out.emplace_back(item.key(), item.value().clone());
+    // Module order, as torch::nn::Module::named_parameters lists them.
+    std::map<std::string, size_t> position;
+    size_t k = 0;
+    for (const auto& item : module_->named_parameters(true)) position[item.key()] = k++;
+    for (const auto& item : module_->named_buffers(true)) position[item.key()] = k++;
+    std::stable_sort(out.begin(), out.end(), [&](const auto& a, const auto& b) {
+      return position[a.first] < position[b.first];
+    });
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>>
+FullyShardedDataParallel::Impl::sharded_state_dict() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::Unit& u = schedule_->unit(k);
+    const fsdp::FlatParam& f = u.flat();
+    out.emplace_back(u.name() + ".flat_shard", f.shard().detach().clone());
+    // [shard rank, shard group size, unpadded numel, padded numel]: enough to reassemble
+    // the flat buffer and re-shard it for another world size.
+    out.emplace_back(u.name() + ".flat_meta",
+                     at::tensor({int64_t{f.shard_rank()}, int64_t{f.shard_size()}, f.numel(),
+                                 f.padded()},
+                                at::kLong));
+    for (size_t i = 0; i < f.num_params(); ++i) {
+      out.emplace_back(u.name() + ".param." + f.name(i),
+                       at::tensor({f.offset(i), f.param(i).numel()}, at::kLong));
+    }
+  }
+  return out;
+}
+
+StateLayout FullyShardedDataParallel::Impl::state_layout() {
+  static constexpr const char* kNames[] = {"full_shard", "shard_grad_op", "no_shard",
+                                           "hybrid_shard"};
+  StateLayout layout;
+  const auto& replicate = schedule_->comms().replicate;
+  const int replica = replicate ? replicate->rank() : 0;
+  const int replicas = replicate ? replicate->world_size() : 1;
+  layout.sharding = fmt::format("fsdp {} (shard group {}, {} replica group(s))",
+                                kNames[static_cast<int>(options_.sharding)], shard_size_, replicas);
+  layout.comm = comm_;
+  // A parameter's slice is where its flat range in the unit meets this rank's shard.
+  std::map<std::string, StateSlice> sharded;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    for (size_t i = 0; i < f.num_params(); ++i) {
+      StateSlice s;
+      s.name = f.name(i);
+      s.shape = f.param(i).sizes().vec();
+      s.dtype = at::kFloat;  // the master shards' dtype, whatever the compute dtype
+      const auto range = f.shard_range(i);
+      s.begin = range.begin;
+      s.end = range.end;
+      s.stepped_offset = range.shard_offset;
+      s.data = f.shard().detach().narrow(0, s.stepped_offset, s.end - s.begin);
+      s.stepped = f.shard();
+      s.replica = replica;
+      s.num_replicas = replicas;
+      sharded.emplace(s.name, std::move(s));
+    }
+  }
+  // Module order; frozen parameters and buffers are not in any unit and held in full.
+  StateLayout rest = replicated_state_layout(*module_, comm_, "");
+  for (auto& s : rest.slices) {
+    auto it = sharded.find(s.name);
+    layout.slices.push_back(it != sharded.end() && s.kind == StateSlice::Kind::kParameter
+                                ? std::move(it->second)
+                                : std::move(s));
+  }
+  return layout;
+}
+
+void FullyShardedDataParallel::Impl::state_loaded() {
+  // The shards changed: no gathered copy may be reused; each is rebuilt at its next use.
+  schedule_->reshard_all();
+}
+
+}  // namespace dtrain

@@ -1,0 +1,215 @@
+#include "fsdp/unit.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "compat/torch_compat.h"
+
+namespace dtrain::fsdp {
+
+using Clock = std::chrono::steady_clock;
+
+const char* Unit::name_of(ParamState s) {
+  switch (s) {
+    case ParamState::kSharded: return "SHARDED";
+    case ParamState::kGathering: return "GATHERING";
+    case ParamState::kUnsharded: return "UNSHARDED";
+  }
+  return "?";
+}
+
+const char* Unit::name_of(GradState s) {
+  switch (s) {
+    case GradState::kIdle: return "IDLE";
+    case GradState::kAccumulating: return "ACCUMULATING";
+    case GradState::kReducing: return "REDUCING";
+    case GradState::kReduced: return "REDUCED";
+  }
+  return "?";
+}
+
+Unit::Unit(int index, std::string name, const torch::nn::Module* module, FlatParam flat,
+           const UnitComms* comms, UnitObserver* observer)
+    : index_(index),
+      name_(std::move(name)),
+      module_(module),
+      flat_(std::move(flat)),
+      comms_(comms),
+      observer_(observer) {}
+
+void Unit::hook_gradients(const std::function<void()>& on_ready) {
+  for (size_t i = 0; i < flat_.num_params(); ++i) {
+    auto acc = compat::grad_accumulator(flat_.param(i));
+    compat::add_post_hook(acc, on_ready);
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+ErrorContext Unit::ctx(const char* op) const {
+  return ErrorContext{comms_->rank, comms_->world_size, op, -1};
+}
+
+void Unit::expect(const char* transition, ParamState from) {
+  if (state_ == from) return;
+  observer_->failed();
+  throw Error(ctx(transition), fmt::format("internal error: unit '{}' is {}, {} needs {}", name_,
+                                           name_of(state_), transition, name_of(from)));
+}
+
+void Unit::expect(const char* transition, GradState from) {
+  if (grad_ == from) return;
+  observer_->failed();
+  throw Error(ctx(transition), fmt::format("internal error: unit '{}' gradient is {}, {} needs {}",
+                                           name_, name_of(grad_), transition, name_of(from)));
+}
+
+template <typename Fn>
+void Unit::collective(Fn&& fn) {
+  try {
+    fn();
+  } catch (...) {
+    observer_->failed();
+    throw;
+  }
+}
+
+// --- parameters ---
+
+void Unit::unshard(const char* why) {
+  expect("unshard", ParamState::kSharded);
+  c10::NoGradGuard no_grad;
+  flat_.refill();
+  if (!comms_->shard) {
+    flat_.copy_shard_to_full();
+    state_ = ParamState::kUnsharded;
+  } else {
+    gather_input_ = flat_.gather_input();
+    collective([&] { gather_work_ = comms_->shard->all_gather(flat_.full(), gather_input_); });
+    observer_->issued(Collective::kAllGather, index_,
+                      static_cast<int64_t>(gather_input_.nbytes()));
+    state_ = ParamState::kGathering;
+  }
+  observer_->record(fmt::format("all_gather:{}{}", name_, why));
+}
+
+void Unit::wait_unsharded() {
+  expect("wait_unsharded", ParamState::kGathering);
+  const auto start = Clock::now();
+  collective([&] { gather_work_->wait(); });
+  observer_->waited(Clock::now() - start);
+  gather_work_.reset();
+  gather_input_ = at::Tensor();
+  state_ = ParamState::kUnsharded;
+}
+
+void Unit::reshard() {
+  expect("reshard", ParamState::kUnsharded);
+  flat_.release();
+  state_ = ParamState::kSharded;
+}
+
+void Unit::ensure_unsharded() {
+  if (state_ == ParamState::kSharded) unshard("");
+  if (state_ == ParamState::kGathering) wait_unsharded();
+}
+
+void Unit::reshard_any() {
+  if (state_ == ParamState::kGathering) wait_unsharded();
+  if (state_ == ParamState::kUnsharded) reshard();
+}
+
+// --- gradient ---
+
+void Unit::arm() {
+  expect("arm", GradState::kIdle);
+  pending_ = static_cast<int>(flat_.num_params());
+  grad_ = GradState::kAccumulating;
+}
+
+bool Unit::gradient_arrived() {
+  expect("gradient arrival", GradState::kAccumulating);
+  return --pending_ == 0;
+}
+
+void Unit::stop_waiting() {
+  if (grad_ == GradState::kAccumulating) pending_ = 0;
+}
+
+void Unit::launch_reduction() {
+  expect("launch_reduction", GradState::kAccumulating);
+  c10::NoGradGuard no_grad;
+  at::Tensor flat = flat_.take_grads(comms_->reduce_dtype);
+  // The unit's backward is over (all its gradients arrived): its parameters can go. A unit
+  // that got no gradient may still be sharded or gathering (prefetched).
+  reshard_any();
+  if (comms_->shard) {
+    reduce_out_ = at::empty({flat_.shard_numel()}, flat.options());
+    collective(
+        [&] { reduce_work_ = comms_->shard->reduce_scatter(reduce_out_, flat, ReduceOp::kAvg); });
+    observer_->issued(Collective::kReduceScatter, index_, static_cast<int64_t>(flat.nbytes()));
+    observer_->record("reduce_scatter:" + name_);
+  } else {
+    reduce_out_ = flat;
+  }
+  grad_ = GradState::kReducing;
+}
+
+void Unit::complete_reduction() {
+  expect("complete_reduction", GradState::kReducing);
+  c10::NoGradGuard no_grad;
+  if (reduce_work_) collective([&] { reduce_work_->wait(); });
+  reduce_work_.reset();
+  if (comms_->replicate) {
+    collective([&] { comms_->replicate->all_reduce(reduce_out_, ReduceOp::kAvg)->wait(); });
+    observer_->issued(Collective::kAllReduce, index_, static_cast<int64_t>(reduce_out_.nbytes()));
+    observer_->record("all_reduce:" + name_);
+  }
+  reduce_out_ = reduce_out_.to(at::kFloat);
+  grad_ = GradState::kReduced;
+}
+
+void Unit::accumulate() {
+  expect("accumulate", GradState::kReduced);
+  c10::NoGradGuard no_grad;
+  const at::Tensor& shard = flat_.shard();
+  if (shard.grad().defined()) {
+    shard.mutable_grad().add_(reduce_out_);
+  } else {
+    shard.mutable_grad() = reduce_out_.clone();
+  }
+  reduce_out_ = at::Tensor();
+  grad_ = GradState::kIdle;
+}
+
+// Only after the step's collectives completed on this rank (the works are waited for here,
+// never abandoned while they write).
+void Unit::reset() {
+  c10::NoGradGuard no_grad;
+  for (WorkPtr* w : {&gather_work_, &reduce_work_}) {
+    if (*w) {
+      try {
+        (*w)->wait();
+      } catch (...) {
+        // it failed: its buffers are no longer written; the failure was reported already
+      }
+      w->reset();
+    }
+  }
+  gather_input_ = at::Tensor();
+  reduce_out_ = at::Tensor();
+  if (state_ != ParamState::kSharded) {
+    state_ = ParamState::kUnsharded;
+    reshard();
+  }
+  grad_ = GradState::kIdle;
+  pending_ = 0;
+  for (size_t i = 0; i < flat_.num_params(); ++i) flat_.param(i).mutable_grad().reset();
+  const at::Tensor& shard = flat_.shard();
+  if (shard.grad().defined()) shard.mutable_grad().zero_();
+}
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,161 @@
+// An FSDP unit: a FlatParam plus the two state machines that say where its parameters and its
+// gradient are (FSDP2's FSDPParamGroup). The transitions below are the only way to change
+// them; each checks the state it starts from and throws an internal Error naming the unit,
+// the transition and both states otherwise, so a scheduling bug surfaces as a named wrong
+// transition, never as a hang or wrong numbers.
+//
+// Parameters (ParamState):
+//   SHARDED    only the fp32 shard is current; full has no memory (sharded) or stale contents
+//              (one shard: refreshed at the next unshard)
+//   GATHERING  an all-gather into full is in flight
+//   UNSHARDED  full holds the current parameters; the module computes with them
+//
+//   unshard()         SHARDED   -> GATHERING  (-> UNSHARDED at once without a shard group)
+//   wait_unsharded()  GATHERING -> UNSHARDED
+//   reshard()         UNSHARDED -> SHARDED    (frees full's memory when sharded)
+//
+// Gradient (GradState), within one backward:
+//   IDLE          no backward in progress
+//   ACCUMULATING  backward armed; pending() parameters still wait for their gradient
+//   REDUCING      flattened and reduce-scattered / all-reduced (in flight)
+//   REDUCED       the averaged shard gradient is ready, to be added to the shard's .grad
+//                 once every rank agreed that the step succeeded
+//
+//   arm()                 IDLE         -> ACCUMULATING
+//   gradient_arrived()    ACCUMULATING (one parameter's gradient is accumulated)
+//   launch_reduction()    ACCUMULATING -> REDUCING   (the unit's parameters are resharded)
+//   complete_reduction()  REDUCING     -> REDUCED
+//   accumulate()          REDUCED      -> IDLE
+//
+// reset() (a failed step) takes any state to SHARDED / IDLE, dropping the gradient, after
+// waiting for the unit's collectives in flight.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/communicator.h"
+#include "dtrain/errors.h"
+#include "dtrain/work.h"
+#include "fsdp/flat_param.h"
+
+namespace torch::autograd {
+struct Node;
+}
+namespace torch::nn {
+class Module;
+}
+
+namespace dtrain::fsdp {
+
+// The groups a unit communicates over and the dtype gradients are reduced in.
+struct UnitComms {
+  CommunicatorPtr shard;      // null: one shard, nothing to gather or reduce-scatter
+  CommunicatorPtr replicate;  // null: no replicas to all-reduce over
+  c10::ScalarType reduce_dtype = c10::ScalarType::Float;
+  int rank = 0, world_size = 1;  // of the whole job, for messages
+};
+
+enum class Collective { kAllGather, kReduceScatter, kAllReduce };
+
+// What a unit reports while it moves: the schedule logs collectives, counts their bytes,
+// remembers them for replay after a failure, and learns that the step's collective stream
+// may no longer match the peers' (failed()).
+class UnitObserver {
+ public:
+  virtual ~UnitObserver() = default;
+  // A collective was issued (bytes: this rank's payload).
+  virtual void issued(Collective kind, int unit, int64_t bytes) = 0;
+  // An entry for last_collective_log(), e.g. "all_gather:h.0 (prefetch)".
+  virtual void record(std::string entry) = 0;
+  // The caller waited this long on a collective.
+  virtual void waited(std::chrono::steady_clock::duration d) = 0;
+  // A transition's precondition or a collective failed.
+  virtual void failed() noexcept = 0;
+};
+
+class Unit {
+ public:
+  enum class ParamState { kSharded, kGathering, kUnsharded };
+  enum class GradState { kIdle, kAccumulating, kReducing, kReduced };
+  static const char* name_of(ParamState s);
+  static const char* name_of(GradState s);
+
+  // A new unit is UNSHARDED (its parameters are current in full) and IDLE.
+  Unit(int index, std::string name, const torch::nn::Module* module, FlatParam flat,
+       const UnitComms* comms, UnitObserver* observer);
+  Unit(Unit&&) = default;
+
+  int index() const { return index_; }
+  const std::string& name() const { return name_; }
+  const torch::nn::Module* module() const { return module_; }
+  FlatParam& flat() { return flat_; }
+  const FlatParam& flat() const { return flat_; }
+  ParamState param_state() const { return state_; }
+  GradState grad_state() const { return grad_; }
+  // ACCUMULATING: parameters whose gradient has not arrived yet.
+  int pending() const { return pending_; }
+
+  // Keeps the parameters' gradient accumulators alive with `on_ready` registered to run after
+  // each of them accumulated a gradient.
+  void hook_gradients(const std::function<void()>& on_ready);
+
+  // --- parameter transitions (see the file comment); `why` is appended to the log entry ---
+  void unshard(const char* why);
+  void wait_unsharded();
+  void reshard();
+  // unshard() unless a gather is under way or done, then wait: what a unit needs before it
+  // computes.
+  void ensure_unsharded();
+  // reshard() from any state; a gather in flight is waited for first (its buffer is never
+  // freed while a collective writes it).
+  void reshard_any();
+
+  // --- gradient transitions ---
+  void arm();
+  // Returns true when this was the last parameter the unit waited for.
+  bool gradient_arrived();
+  // The parameters that have not got a gradient will not get one in this backward.
+  void stop_waiting();
+  void launch_reduction();
+  void complete_reduction();
+  void accumulate();
+
+  void reset();
+
+ private:
+  ErrorContext ctx(const char* op) const;
+  void expect(const char* transition, ParamState from);
+  void expect(const char* transition, GradState from);
+  // Runs a collective call; an exception from it means this rank's collectives may no longer
+  // match its peers'.
+  template <typename Fn>
+  void collective(Fn&& fn);
+
+  int index_;
+  std::string name_;
+  const torch::nn::Module* module_;
+  FlatParam flat_;
+  const UnitComms* comms_;
+  UnitObserver* observer_;
+
+  ParamState state_ = ParamState::kUnsharded;
+  WorkPtr gather_work_;      // GATHERING only
+  at::Tensor gather_input_;  // kept alive while gather_work_ runs
+
+  GradState grad_ = GradState::kIdle;
+  int pending_ = 0;
+  WorkPtr reduce_work_;    // REDUCING: the reduce-scatter (null without a shard group)
+  at::Tensor reduce_out_;  // REDUCING / REDUCED
+
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+};
+
+}  // namespace dtrain::fsdp

@@ -1,0 +1,243 @@
+// FSDP's parts without a communicator: the flat parameter (layout, shards, views, release and
+// refill, gradient flattening) and the unit's state machine (every transition checks where it
+// starts from).
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtrain/errors.h"
+#include "fsdp/flat_param.h"
+#include "fsdp/unit.h"
+
+namespace dtrain::fsdp {
+namespace {
+
+// Leaf parameters of 6, 4 and 3 elements (13 in all) with distinct values.
+std::vector<at::Tensor> make_params() {
+  std::vector<at::Tensor> p = {at::arange(6, at::kFloat).view({2, 3}),
+                               at::arange(10, 14, at::kFloat), at::arange(20, 23, at::kFloat)};
+  for (auto& t : p) t.requires_grad_(true);
+  return p;
+}
+
+std::vector<at::Tensor> copies(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone());
+  return out;
+}
+
+const std::vector<std::string> kNames = {"a", "b", "c"};
+
+TEST(FsdpFlatParam, LayoutPadsToTheShardGroupAndShardsHoldTheirSlice) {
+  const auto want = copies(make_params());
+  const at::Tensor flat = at::cat({want[0].reshape({-1}), want[1], want[2], at::zeros({3})});
+  for (int rank = 0; rank < 4; ++rank) {
+    FlatParam f(make_params(), kNames, FlatParamOptions{4, rank, at::kFloat});
+    EXPECT_EQ(f.numel(), 13);
+    EXPECT_EQ(f.padded(), 16);
+    EXPECT_EQ(f.shard_numel(), 4);
+    EXPECT_EQ(f.shard_begin(), 4 * rank);
+    EXPECT_EQ(f.offset(0), 0);
+    EXPECT_EQ(f.offset(1), 6);
+    EXPECT_EQ(f.offset(2), 10);
+    EXPECT_FALSE(f.shares_memory());
+    EXPECT_TRUE(f.shard().is_leaf());
+    EXPECT_TRUE(f.shard().requires_grad());
+    EXPECT_TRUE(at::equal(f.shard().detach(), flat.narrow(0, 4 * rank, 4))) << "rank " << rank;
+    // Each parameter is a view of full with its old shape and values.
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(f.param(i).sizes(), want[i].sizes());
+      EXPECT_TRUE(at::equal(f.param(i).detach(), want[i])) << kNames[i];
+      EXPECT_EQ(f.param(i).storage().unsafeGetStorageImpl(),
+                f.full().storage().unsafeGetStorageImpl())
+          << kNames[i];
+    }
+  }
+}
+
+TEST(FsdpFlatParam, ShardRangesCoverEveryParameterExactlyOnce) {
+  // 13 elements over 3 ranks: shards of 5; a (elements 0..5) straddles ranks 0 and 1, b (6..9)
+  // is inside rank 1's, c (10..12) inside rank 2's with the padding.
+  std::vector<std::vector<int64_t>> seen(3);
+  for (int rank = 0; rank < 3; ++rank) {
+    FlatParam f(make_params(), kNames, FlatParamOptions{3, rank, at::kFloat});
+    ASSERT_EQ(f.padded(), 15);
+    for (size_t i = 0; i < 3; ++i) {
+      const auto r = f.shard_range(i);
+      ASSERT_LE(r.begin, r.end);
+      for (int64_t e = r.begin; e < r.end; ++e) {
+        seen[i].push_back(e);
+        // The element sits where the shard says it does.
+        EXPECT_EQ(f.shard()[r.shard_offset + (e - r.begin)].item<float>(),
+                  f.param(i).detach().reshape({-1})[e].item<float>())
+            << kNames[i] << " element " << e << " rank " << rank;
+      }
+    }
+  }
+  const std::vector<int64_t> sizes = {6, 4, 3};
+  for (size_t i = 0; i < 3; ++i) {
+    std::sort(seen[i].begin(), seen[i].end());
+    ASSERT_EQ(static_cast<int64_t>(seen[i].size()), sizes[i]) << kNames[i];
+    for (int64_t e = 0; e < sizes[i]; ++e) EXPECT_EQ(seen[i][e], e) << kNames[i];
+  }
+}
+
+TEST(FsdpFlatParam, ReleasedMemoryComesBackUnderTheSameStorage) {
+  const auto want = copies(make_params());
+  std::vector<FlatParam> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back(make_params(), kNames, FlatParamOptions{2, rank, at::kFloat});
+  }
+  FlatParam& f = ranks[0];
+  c10::StorageImpl* storage = f.full().storage().unsafeGetStorageImpl();
+  f.release();
+  EXPECT_TRUE(f.released());
+  EXPECT_EQ(f.full().storage().nbytes(), 0u);
+  EXPECT_EQ(f.param(1).storage().nbytes(), 0u) << "the parameter views share the released storage";
+  f.refill();
+  EXPECT_FALSE(f.released());
+  EXPECT_EQ(f.full().storage().unsafeGetStorageImpl(), storage);
+  EXPECT_EQ(f.full().storage().nbytes(), static_cast<size_t>(f.padded()) * sizeof(float));
+  // What an all-gather does: every rank's gather_input at its place in full.
+  {
+    c10::NoGradGuard no_grad;
+    for (int rank = 0; rank < 2; ++rank) {
+      f.full().narrow(0, rank * f.shard_numel(), f.shard_numel()).copy_(ranks[rank].gather_input());
+    }
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::equal(f.param(i).detach(), want[i])) << kNames[i];
+  }
+}
+
+TEST(FsdpFlatParam, OneShardKeepsItsMemoryAndFp32SharesIt) {
+  FlatParam f(make_params(), kNames, FlatParamOptions{1, 0, at::kFloat});
+  EXPECT_TRUE(f.shares_memory());
+  EXPECT_EQ(f.shard().data_ptr(), f.full().data_ptr());
+  f.release();
+  EXPECT_FALSE(f.released()) << "one shard keeps the memory";
+  // The optimizer's update of the shard is the module's parameter.
+  {
+    c10::NoGradGuard no_grad;
+    f.shard().add_(1.0);
+  }
+  EXPECT_EQ(f.param(2).detach()[0].item<float>(), 21.0f);
+
+  FlatParam b(make_params(), kNames, FlatParamOptions{1, 0, at::kBFloat16});
+  EXPECT_FALSE(b.shares_memory());
+  EXPECT_EQ(b.full().scalar_type(), at::kBFloat16);
+  EXPECT_EQ(b.param(0).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(b.shard().scalar_type(), at::kFloat);
+  {
+    c10::NoGradGuard no_grad;
+    b.shard().add_(1.0);
+  }
+  b.copy_shard_to_full();
+  EXPECT_EQ(b.param(2).detach()[2].item<float>(), 23.0f);
+}
+
+TEST(FsdpFlatParam, TakeGradsFlattensPadsAndClears) {
+  FlatParam f(make_params(), kNames, FlatParamOptions{4, 1, at::kFloat});
+  f.param(0).mutable_grad() = at::full({2, 3}, 1.0);
+  f.param(2).mutable_grad() = at::full({3}, 3.0);  // b got no gradient
+  at::Tensor flat = f.take_grads(at::kBFloat16);
+  EXPECT_EQ(flat.scalar_type(), at::kBFloat16);
+  ASSERT_EQ(flat.numel(), 16);
+  const at::Tensor want =
+      at::cat({at::full({6}, 1.0), at::zeros({4}), at::full({3}, 3.0), at::zeros({3})});
+  EXPECT_TRUE(at::equal(flat.to(at::kFloat), want));
+  for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(f.param(i).grad().defined()) << kNames[i];
+}
+
+// Records what a unit reports.
+struct Recorder : UnitObserver {
+  std::vector<std::string> entries;
+  int failures = 0;
+  int issued_count = 0;
+  void issued(Collective, int, int64_t) override { ++issued_count; }
+  void record(std::string entry) override { entries.push_back(std::move(entry)); }
+  void waited(std::chrono::steady_clock::duration) override {}
+  void failed() noexcept override { ++failures; }
+};
+
+void expect_internal_error(const std::function<void()>& fn, const std::string& message) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected: " << message;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
+TEST(FsdpUnit, TransitionsCheckWhereTheyStartFrom) {
+  UnitComms comms;  // no groups: gathering is a local copy
+  Recorder rec;
+  Unit u(1, "h0", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{1, 0, at::kBFloat16}),
+         &comms, &rec);
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kUnsharded);
+  EXPECT_EQ(u.grad_state(), Unit::GradState::kIdle);
+  expect_internal_error([&] { u.unshard(""); },
+                        "internal error: unit 'h0' is UNSHARDED, unshard needs SHARDED");
+  u.reshard();
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kSharded);
+  expect_internal_error([&] { u.wait_unsharded(); },
+                        "unit 'h0' is SHARDED, wait_unsharded needs GATHERING");
+  expect_internal_error([&] { u.reshard(); }, "unit 'h0' is SHARDED, reshard needs UNSHARDED");
+  u.unshard(" (prefetch)");
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kUnsharded) << "no shard group: no gather";
+  EXPECT_EQ(rec.entries, std::vector<std::string>{"all_gather:h0 (prefetch)"});
+  EXPECT_EQ(rec.issued_count, 0) << "a local copy is not a collective";
+
+  expect_internal_error([&] { u.launch_reduction(); },
+                        "unit 'h0' gradient is IDLE, launch_reduction needs ACCUMULATING");
+  expect_internal_error([&] { u.gradient_arrived(); },
+                        "gradient is IDLE, gradient arrival needs ACCUMULATING");
+  expect_internal_error([&] { u.accumulate(); }, "gradient is IDLE, accumulate needs REDUCED");
+  EXPECT_EQ(rec.failures, 6) << "every refused transition marks the step failed";
+}
+
+TEST(FsdpUnit, AGradientCycleEndsInTheShardsGradient) {
+  UnitComms comms;
+  Recorder rec;
+  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms,
+         &rec);
+  for (int step = 1; step <= 2; ++step) {
+    u.arm();
+    EXPECT_EQ(u.pending(), 3);
+    u.flat().param(0).mutable_grad() = at::full({2, 3}, 1.0);
+    u.flat().param(1).mutable_grad() = at::full({4}, 2.0);
+    u.flat().param(2).mutable_grad() = at::full({3}, 3.0);
+    EXPECT_FALSE(u.gradient_arrived());
+    EXPECT_FALSE(u.gradient_arrived());
+    EXPECT_TRUE(u.gradient_arrived()) << "the last parameter completes the unit";
+    expect_internal_error([&] { u.complete_reduction(); },
+                          "gradient is ACCUMULATING, complete_reduction needs REDUCING");
+    u.launch_reduction();
+    EXPECT_EQ(u.grad_state(), Unit::GradState::kReducing);
+    u.complete_reduction();
+    EXPECT_EQ(u.grad_state(), Unit::GradState::kReduced);
+    u.accumulate();
+    EXPECT_EQ(u.grad_state(), Unit::GradState::kIdle);
+    // Accumulated over the two backward passes, as .grad is without zero_grad().
+    const at::Tensor want =
+        at::cat({at::full({6}, 1.0), at::full({4}, 2.0), at::full({3}, 3.0)}) * step;
+    EXPECT_TRUE(at::equal(u.flat().shard().grad(), want)) << "step " << step;
+  }
+  // A failed step: any state back to SHARDED / IDLE with the gradient dropped.
+  u.arm();
+  u.flat().param(0).mutable_grad() = at::full({2, 3}, 1.0);
+  u.reset();
+  EXPECT_EQ(u.grad_state(), Unit::GradState::kIdle);
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kSharded);
+  EXPECT_FALSE(u.flat().param(0).grad().defined());
+  EXPECT_EQ(u.flat().shard().grad().abs().sum().item<float>(), 0.0f);
+  u.arm();  // IDLE again: the next step can start
+}
+
+}  // namespace
+}  // namespace dtrain::fsdp
