@@ -38,10 +38,13 @@ run_tsan() {
   clang_configure "$dir" "-fsanitize=thread" -DDTRAIN_BUILD_EXAMPLES=OFF
   cmake --build "$dir" -j "$jobs" --target dtrain_tests dtrain_test_worker
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
-  # Thread-based ranks only: the communication layer's own threads (executor, Gloo pairs,
-  # store server) are what ThreadSanitizer can see.
-  OMP_NUM_THREADS=1 "$dir/tests/dtrain_tests" \
-    --gtest_filter="${DTRAIN_TSAN_FILTER:-Store*:Collectives*:Gloo*:Consistency*:Desync*:Work*}"
+  # The communication layer's tests: ranks as threads over Gloo, shared memory and the
+  # in-memory and TCP stores (the executor, Gloo pairs, shm copy loops and store server are
+  # what ThreadSanitizer can see), and their multi-process cases (workers run instrumented
+  # too). Parameterized suites carry an instantiation prefix ("WorldSizes/Collectives").
+  local suites="Store*:*Collectives.*:*ShmCollectives.*:*ShmHierarchical.*:Shm*:Consistency*"
+  suites+=":CollectiveArguments.*:CommFailure.*:ConcurrentIssuers.*:PointToPoint.*:ThreadFailures.*"
+  OMP_NUM_THREADS=1 "$dir/tests/dtrain_tests" --gtest_filter="${DTRAIN_TSAN_FILTER:-$suites}"
 }
 
 case "$mode" in
