@@ -17,6 +17,7 @@
 //
 //   dtrain_bench_bucketing --nproc=2 --bucket_cap_mb=0.25,1,5,25,100
 #include <ATen/ATen.h>
+#include <absl/flags/flag.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
 
@@ -32,23 +33,42 @@
 #include "dtrain/data_parallel.h"
 #include "model.h"
 
+ABSL_FLAG(std::string, model, "tiny", "GPT-2 preset of the example model: tiny | paper-27m | gpt2");
+ABSL_FLAG(int64_t, vocab_size, 0, "override the preset's vocabulary (0: keep)");
+ABSL_FLAG(int64_t, layers, 0, "override the preset's layers (0: keep)");
+ABSL_FLAG(int64_t, dim, 0, "override the preset's width (0: keep)");
+ABSL_FLAG(int64_t, heads, 0, "override the preset's heads (0: keep)");
+ABSL_FLAG(int64_t, seq, 0, "tokens per sequence (0: the preset's context)");
+ABSL_FLAG(int64_t, batch, 8, "sequences per rank per step");
+ABSL_FLAG(std::string, bucket_cap_mb, "0.25,1,5,25,100",
+          "comma-separated DataParallelOptions::bucket_cap_mb values, one benchmark each");
+ABSL_FLAG(double, first_bucket_cap_mb, 1.0,
+          "DataParallelOptions::first_bucket_cap_mb (capped at bucket_cap_mb)");
+ABSL_FLAG(int64_t, warmup, 3, "untimed steps first (the buckets are rebuilt after the 1st)");
+ABSL_FLAG(int64_t, steps, 10, "timed steps per bucket size (same on every rank)");
+ABSL_FLAG(std::string, loss, "fused",
+          "fused (the example's default, lm_head_loss.h) | standard (logits + cross_entropy)");
+ABSL_FLAG(int64_t, corrupt_rank, -1,
+          "testing hook: this rank perturbs a parameter before verification (must fail)");
+
 namespace dtrain::bench {
 namespace {
 
+// The flags; constructed once the command line is parsed.
 struct Config {
-  std::string model = "tiny";
-  int64_t vocab_size = 0;  // 0: the preset's
-  int64_t layers = 0;
-  int64_t dim = 0;
-  int64_t heads = 0;
-  int64_t seq = 0;  // 0: the model's context
-  int64_t batch = 8;
-  std::string bucket_cap_mb = "0.25,1,5,25,100";
-  double first_bucket_cap_mb = 1.0;
-  int64_t warmup = 3;
-  int64_t steps = 10;
-  std::string loss = "fused";
-  int64_t corrupt_rank = -1;
+  std::string model = absl::GetFlag(FLAGS_model);
+  int64_t vocab_size = absl::GetFlag(FLAGS_vocab_size);  // 0: the preset's
+  int64_t layers = absl::GetFlag(FLAGS_layers);
+  int64_t dim = absl::GetFlag(FLAGS_dim);
+  int64_t heads = absl::GetFlag(FLAGS_heads);
+  int64_t seq = absl::GetFlag(FLAGS_seq);  // 0: the model's context
+  int64_t batch = absl::GetFlag(FLAGS_batch);
+  std::string bucket_cap_mb = absl::GetFlag(FLAGS_bucket_cap_mb);
+  double first_bucket_cap_mb = absl::GetFlag(FLAGS_first_bucket_cap_mb);
+  int64_t warmup = absl::GetFlag(FLAGS_warmup);
+  int64_t steps = absl::GetFlag(FLAGS_steps);
+  std::string loss = absl::GetFlag(FLAGS_loss);
+  int64_t corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
 };
 
 std::vector<double> parse_double_list(const std::string& text) {
@@ -162,27 +182,8 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, d
 
 int main(int argc, char** argv) {
   using namespace dtrain::bench;
-  Config cfg;
-  Flags flags;
-  flags.add("model", &cfg.model, "GPT-2 preset of the example model: tiny | paper-27m | gpt2");
-  flags.add("vocab_size", &cfg.vocab_size, "override the preset's vocabulary (0: keep)");
-  flags.add("layers", &cfg.layers, "override the preset's layers (0: keep)");
-  flags.add("dim", &cfg.dim, "override the preset's width (0: keep)");
-  flags.add("heads", &cfg.heads, "override the preset's heads (0: keep)");
-  flags.add("seq", &cfg.seq, "tokens per sequence (0: the preset's context)");
-  flags.add("batch", &cfg.batch, "sequences per rank per step");
-  flags.add("bucket_cap_mb", &cfg.bucket_cap_mb,
-            "comma-separated DataParallelOptions::bucket_cap_mb values, one benchmark each");
-  flags.add("first_bucket_cap_mb", &cfg.first_bucket_cap_mb,
-            "DataParallelOptions::first_bucket_cap_mb (capped at bucket_cap_mb)");
-  flags.add("warmup", &cfg.warmup, "untimed steps first (the buckets are rebuilt after the 1st)");
-  flags.add("steps", &cfg.steps, "timed steps per bucket size (same on every rank)");
-  flags.add("loss", &cfg.loss,
-            "fused (the example's default, lm_head_loss.h) | standard (logits + cross_entropy)");
-  flags.add("corrupt_rank", &cfg.corrupt_rank,
-            "testing hook: this rank perturbs a parameter before verification (must fail)");
-
-  return bench_main(argc, argv, flags, [&cfg](dtrain::Communicator& comm) {
+  return bench_main(argc, argv, [](dtrain::Communicator& comm) {
+    const Config cfg;  // from the flags, parsed by now
     if (cfg.batch < 1 || cfg.steps < 1 || cfg.warmup < 1) {
       throw std::invalid_argument("--batch, --steps and --warmup must be >= 1");
     }
@@ -209,7 +210,7 @@ int main(int argc, char** argv) {
       const std::string name = label.str();
       register_benchmark(
           name, comm,
-          [&comm, &cfg, cap, name](benchmark::State& state) { run(state, name, comm, cap, cfg); })
+          [&comm, cfg, cap, name](benchmark::State& state) { run(state, name, comm, cap, cfg); })
           ->Iterations(cfg.steps)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);

@@ -12,6 +12,7 @@
 // (issue to wait() returning) with the calls back to back; the reported time is rank 0's
 // mean. Iteration counts are fixed per size (see iterations_for), equal on every rank.
 #include <ATen/ATen.h>
+#include <absl/flags/flag.h>
 
 #include <algorithm>
 #include <chrono>
@@ -21,6 +22,21 @@
 #include <vector>
 
 #include "bench_common.h"
+
+ABSL_FLAG(int64_t, min_bytes, 4 << 10, "smallest message, bytes");
+ABSL_FLAG(int64_t, max_bytes, 256 << 20, "largest message, bytes");
+ABSL_FLAG(int64_t, step, 4, "factor between consecutive sizes (2 or 4)");
+ABSL_FLAG(int64_t, target_bytes, 1 << 30,
+          "iterations per size = target_bytes / size, clamped to [min_iters, max_iters]");
+ABSL_FLAG(int64_t, min_iters, 3, "fewest timed iterations per size");
+ABSL_FLAG(int64_t, max_iters, 100, "most timed iterations per size");
+ABSL_FLAG(std::string, ops, "all_reduce,all_gather,reduce_scatter,broadcast",
+          "comma-separated collectives to run");
+ABSL_FLAG(int64_t, barrier, 0,
+          "0: time back-to-back calls after one barrier (nccl-tests style); 1: a barrier before "
+          "each timed call (adds the ranks' skew leaving the barrier to small sizes)");
+ABSL_FLAG(int64_t, corrupt_rank, -1,
+          "testing hook: this rank perturbs its verified result (the run must fail)");
 
 namespace dtrain::bench {
 namespace {
@@ -113,16 +129,17 @@ at::Tensor expected(Collective c, int64_t numel, int rank, int world) {
   return {};
 }
 
+// The flags; constructed once the command line is parsed.
 struct Config {
-  int64_t min_bytes = 4 << 10;
-  int64_t max_bytes = 256 << 20;
-  int64_t step = 4;
-  int64_t target_bytes = 1 << 30;
-  int64_t min_iters = 3;
-  int64_t max_iters = 100;
-  std::string ops = "all_reduce,all_gather,reduce_scatter,broadcast";
-  int64_t corrupt_rank = -1;
-  int64_t barrier = 0;
+  int64_t min_bytes = absl::GetFlag(FLAGS_min_bytes);
+  int64_t max_bytes = absl::GetFlag(FLAGS_max_bytes);
+  int64_t step = absl::GetFlag(FLAGS_step);
+  int64_t target_bytes = absl::GetFlag(FLAGS_target_bytes);
+  int64_t min_iters = absl::GetFlag(FLAGS_min_iters);
+  int64_t max_iters = absl::GetFlag(FLAGS_max_iters);
+  std::string ops = absl::GetFlag(FLAGS_ops);
+  int64_t corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
+  int64_t barrier = absl::GetFlag(FLAGS_barrier);
 };
 
 void run(benchmark::State& state, const std::string& name, Communicator& comm, Collective c,
@@ -175,23 +192,8 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, C
 
 int main(int argc, char** argv) {
   using namespace dtrain::bench;
-  Config cfg;
-  Flags flags;
-  flags.add("min_bytes", &cfg.min_bytes, "smallest message, bytes");
-  flags.add("max_bytes", &cfg.max_bytes, "largest message, bytes");
-  flags.add("step", &cfg.step, "factor between consecutive sizes (2 or 4)");
-  flags.add("target_bytes", &cfg.target_bytes,
-            "iterations per size = target_bytes / size, clamped to [min_iters, max_iters]");
-  flags.add("min_iters", &cfg.min_iters, "fewest timed iterations per size");
-  flags.add("max_iters", &cfg.max_iters, "most timed iterations per size");
-  flags.add("ops", &cfg.ops, "comma-separated collectives to run");
-  flags.add("barrier", &cfg.barrier,
-            "0: time back-to-back calls after one barrier (nccl-tests style); 1: a barrier before "
-            "each timed call (adds the ranks' skew leaving the barrier to small sizes)");
-  flags.add("corrupt_rank", &cfg.corrupt_rank,
-            "testing hook: this rank perturbs its verified result (the run must fail)");
-
-  return bench_main(argc, argv, flags, [&cfg](dtrain::Communicator& comm) {
+  return bench_main(argc, argv, [](dtrain::Communicator& comm) {
+    const Config cfg;  // from the flags, parsed by now
     const int world = comm.world_size();
     const int64_t align = static_cast<int64_t>(sizeof(float)) * world;
     if (cfg.step < 2) throw std::invalid_argument("--step must be >= 2");
@@ -211,7 +213,7 @@ int main(int argc, char** argv) {
             std::string(info.name) + "/ranks:" + std::to_string(world) + "/" + format_bytes(bytes);
         const Collective kind = info.kind;
         register_benchmark(name, comm,
-                           [&comm, &cfg, kind, bytes, name](benchmark::State& state) {
+                           [&comm, cfg, kind, bytes, name](benchmark::State& state) {
                              run(state, name, comm, kind, bytes, cfg);
                            })
             ->Iterations(iterations_for(bytes, cfg.target_bytes, cfg.min_iters, cfg.max_iters))

@@ -1,12 +1,16 @@
 // Shared driver of dtrain's multi-process Google Benchmark programs.
 //
-// A benchmark program is started once by the user. With --nproc=N it spawns N-1 copies of
-// itself (posix_spawn of /proc/self/exe: never fork after LibTorch ran) with the torchrun
-// environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE)
-// and becomes rank 0. Every rank registers and runs the same benchmarks; only rank 0
-// reports, the copies run with a silent reporter and their stdout discarded (their stderr
-// is kept in a log that rank 0 prints when a copy fails). A program started by an
-// external launcher (RANK already set) does not spawn anything.
+// A benchmark program is started once by the user. With --nproc=N it starts N copies of
+// itself as ranks 0..N-1 with dtrain's launcher (dtrain/launcher.h, what dtrain-run and
+// gpt2_train --nproc run: fork and exec, a process group per rank, the parent-death signal, a
+// failed rank stopping the others) and exits with their status. Every rank registers and
+// runs the same benchmarks; only rank 0 reports (and writes --benchmark_out), the others run
+// with a silent reporter. A program started by an external launcher (RANK already set) is
+// that rank and starts nothing.
+//
+// Command line: Google Benchmark's --benchmark_* flags, then the program's own flags, which
+// are Abseil flags (ABSL_FLAG in the program's file; the common ones below), parsed by
+// dtrain_cli (--name=value or --name value). A usage error exits with status 2.
 //
 // Google Benchmark picks iteration counts adaptively, which would differ between ranks
 // and deadlock the collectives: every benchmark registered through this driver must fix
@@ -24,27 +28,6 @@
 #include "dtrain/communicator.h"
 
 namespace dtrain::bench {
-
-// The program's own command-line flags, --name=value or --name value. Parsed flags are
-// removed from argv; the rest goes to Google Benchmark.
-class Flags {
- public:
-  void add(const std::string& name, int64_t* value, const std::string& help);
-  void add(const std::string& name, double* value, const std::string& help);
-  void add(const std::string& name, std::string* value, const std::string& help);
-  // Removes the flags it knows from argv. Throws std::invalid_argument on a malformed value.
-  void parse(int* argc, char** argv);
-  void print_help(const char* program) const;
-
- private:
-  struct Flag {
-    std::string name;
-    std::string help;
-    std::function<void(const std::string&)> set;
-    std::string current;
-  };
-  std::vector<Flag> flags_;
-};
 
 // Parses "512,1024,2048" into numbers.
 std::vector<int64_t> parse_int_list(const std::string& text);
@@ -79,14 +62,16 @@ benchmark::internal::Benchmark* register_benchmark(const std::string& name,
 // that failed (on every rank), so that all ranks skip the same benchmark and stay in step.
 bool all_ranks_ok(Communicator& comm, bool ok, std::string* failed_ranks);
 
-// Everything after flag parsing: launches the ranks, connects a Gloo communicator with
-// options built from the common flags, calls register_benchmarks(comm), runs the
-// benchmarks and waits for the spawned ranks. Returns the program's exit status: 0 only if
-// every rank finished with no failed benchmark.
+// The whole program: parses the command line; unless this process is already a rank,
+// starts the ranks and returns their exit status; as a rank, connects a communicator with
+// options from the common flags, calls register_benchmarks(comm) (the program's flags are
+// parsed by then: it reads them with absl::GetFlag and throws std::invalid_argument for a
+// bad value), runs the benchmarks and returns this rank's exit status: 0 only if it
+// finished with no failed benchmark.
 //
-// Common flags (added to `flags` here): --nproc, --timeout_s, --transport (auto|gloo|shm),
-// --shm_chunk_bytes, --gloo_segment_bytes, --gloo_iface.
-int bench_main(int argc, char** argv, Flags& flags,
+// Common flags: --nproc, --timeout_s, --transport (auto|gloo|shm), --shm_chunk_bytes,
+// --gloo_segment_bytes, --gloo_iface (see --help).
+int bench_main(int argc, char** argv,
                const std::function<void(Communicator&)>& register_benchmarks);
 
 }  // namespace dtrain::bench

@@ -19,6 +19,7 @@
 //
 //   dtrain_bench_overlap --nproc=2 --unit_bytes=16777216 --matmul=512,1024,2048
 #include <ATen/ATen.h>
+#include <absl/flags/flag.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,6 +31,16 @@
 
 #include "bench_common.h"
 
+ABSL_FLAG(int64_t, unit_bytes, 16 << 20,
+          "bytes of one FSDP unit (the gathered parameters; also the gradient buffer)");
+ABSL_FLAG(std::string, matmul, "512,1024,2048",
+          "comma-separated matmul sizes N (N x N x N, fp32)");
+ABSL_FLAG(std::string, sleep_ms, "",
+          "comma-separated sleep durations (ms) to run as a CPU-free compute stand-in");
+ABSL_FLAG(int64_t, iters, 10, "timed iterations per compute size (same on every rank)");
+ABSL_FLAG(int64_t, corrupt_rank, -1,
+          "testing hook: this rank perturbs its verified result (the run must fail)");
+
 namespace dtrain::bench {
 namespace {
 
@@ -39,12 +50,13 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The flags; constructed once the command line is parsed.
 struct Config {
-  int64_t unit_bytes = 16 << 20;
-  std::string matmul = "512,1024,2048";
-  std::string sleep_ms;
-  int64_t iters = 10;
-  int64_t corrupt_rank = -1;
+  int64_t unit_bytes = absl::GetFlag(FLAGS_unit_bytes);
+  std::string matmul = absl::GetFlag(FLAGS_matmul);
+  std::string sleep_ms = absl::GetFlag(FLAGS_sleep_ms);
+  int64_t iters = absl::GetFlag(FLAGS_iters);
+  int64_t corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
 };
 
 // ((offset + i) % 13) + 1 in fp32, exact under sums over few ranks.
@@ -157,18 +169,8 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, c
 
 int main(int argc, char** argv) {
   using namespace dtrain::bench;
-  Config cfg;
-  Flags flags;
-  flags.add("unit_bytes", &cfg.unit_bytes,
-            "bytes of one FSDP unit (the gathered parameters; also the gradient buffer)");
-  flags.add("matmul", &cfg.matmul, "comma-separated matmul sizes N (N x N x N, fp32)");
-  flags.add("sleep_ms", &cfg.sleep_ms,
-            "comma-separated sleep durations (ms) to run as a CPU-free compute stand-in");
-  flags.add("iters", &cfg.iters, "timed iterations per compute size (same on every rank)");
-  flags.add("corrupt_rank", &cfg.corrupt_rank,
-            "testing hook: this rank perturbs its verified result (the run must fail)");
-
-  return bench_main(argc, argv, flags, [&cfg](dtrain::Communicator& comm) {
+  return bench_main(argc, argv, [](dtrain::Communicator& comm) {
+    const Config cfg;  // from the flags, parsed by now
     const int64_t align = static_cast<int64_t>(sizeof(float)) * comm.world_size();
     if (cfg.unit_bytes <= 0 || cfg.unit_bytes % align != 0) {
       throw std::invalid_argument("--unit_bytes must be a positive multiple of 4 * ranks");
@@ -184,7 +186,7 @@ int main(int argc, char** argv) {
       const std::string name = "overlap/ranks:" + std::to_string(comm.world_size()) +
                                "/unit:" + format_bytes(cfg.unit_bytes) + "/" + label;
       register_benchmark(name, comm,
-                         [&comm, &cfg, work = work, name](benchmark::State& state) {
+                         [&comm, cfg, work = work, name](benchmark::State& state) {
                            run(state, name, comm, work, cfg);
                          })
           ->Iterations(cfg.iters)

@@ -6,6 +6,8 @@ find_package(Torch REQUIRED)
 find_package(Gloo REQUIRED)
 find_package(fmt REQUIRED)
 find_package(Threads REQUIRED)
+# Abseil flags: the command lines of dtrain-run and the benchmarks (src/cli), and the examples'.
+find_package(absl REQUIRED)
 
 # LibTorch's flags (the C++ ABI switch) must match ours in every TU.
 string(APPEND CMAKE_CXX_FLAGS " ${TORCH_CXX_FLAGS}")

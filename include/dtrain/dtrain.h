@@ -11,6 +11,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/host_memory.h"
+#include "dtrain/launcher.h"
 #include "dtrain/rendezvous.h"
 #include "dtrain/single_device.h"
 #include "dtrain/store.h"

@@ -3,6 +3,9 @@
 //   dtrain-run --nproc_per_node 2 -- ./my_trainer --flag value
 //   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr host0
 //              --master_port 29500 -- ./my_trainer        (on node 0; node_rank 1 on the other)
+#include <absl/flags/flag.h>
+
+#include <cstddef>
 #include <cstdlib>
 #include <optional>
 #include <stdexcept>
@@ -12,7 +15,30 @@
 #include <fmt/format.h>
 
 #include "dtrain/blas.h"
-#include "launcher/local_ranks.h"
+#include "dtrain/launcher.h"
+#include "dtrain_cli/flags.h"
+
+ABSL_FLAG(int, nproc_per_node, 1, "ranks on this node");
+ABSL_FLAG(int, nnodes, 1, "nodes in the job");
+ABSL_FLAG(int, node_rank, 0,
+          "this node's index in [0, nnodes); its ranks are node_rank * nproc_per_node .. "
+          "node_rank * nproc_per_node + nproc_per_node - 1");
+ABSL_FLAG(std::string, master_addr, "127.0.0.1", "host of rank 0, which serves the store");
+ABSL_FLAG(int, master_port, 0,
+          "port of the store; 0: a free port on one node, 29500 (torchrun's default) on several");
+ABSL_FLAG(int, grace_s, 5, "seconds between SIGTERM and SIGKILL when stopping ranks");
+ABSL_FLAG(std::string, blas_kernel, "auto",
+          "auto: when OpenBLAS would run its generic kernels, or an older family than this CPU "
+          "supports (e.g. Haswell on an AVX-512 CPU), start the ranks with OPENBLAS_CORETYPE set "
+          "to the CPU's best family (SkylakeX, Haswell, ...) and say so on stderr. OpenBLAS reads "
+          "it only when it loads, so only a launcher can choose it. An OPENBLAS_CORETYPE already "
+          "set is always kept. keep: leave the BLAS as it loads.");
+ABSL_FLAG(std::string, blas_library, "libblas.so.3",
+          "the BLAS the ranks load, probed for --blas_kernel auto (Debian's LibTorch links "
+          "libblas.so.3)");
+ABSL_FLAG(bool, blas_info, false,
+          "print the BLAS, its kernel, the CPU and what the ranks would get; exit");
+ABSL_FLAG(bool, help, false, "print this text; exit (also -h)");
 
 namespace {
 
@@ -27,97 +53,42 @@ dtrain-run exits non-zero. SIGINT/SIGTERM are forwarded to the ranks, SIGHUP/SIG
 them SIGTERM; a second signal kills them. If dtrain-run itself dies (even by SIGKILL), the
 ranks get SIGKILL.
 
-options:
-  --nproc_per_node N   ranks on this node (default 1)
-  --nnodes M           nodes in the job (default 1)
-  --node_rank K        this node's index in [0, M) (default 0); its ranks are K*N .. K*N+N-1
-  --master_addr A      host of rank 0, which serves the store (default 127.0.0.1)
-  --master_port P      port of the store (default: a free port; required when M > 1)
-  --grace_s S          seconds between SIGTERM and SIGKILL when stopping ranks (default 5)
-  --blas_kernel K      auto (default): when OpenBLAS would run its generic kernels, or an
-                       older family than this CPU supports (e.g. Haswell on an AVX-512 CPU),
-                       start the ranks with OPENBLAS_CORETYPE set to the CPU's best family
-                       (SkylakeX, Haswell, ...) and say so on stderr. OpenBLAS reads it only
-                       when it loads, so only a launcher can choose it. An OPENBLAS_CORETYPE
-                       already set is always kept. keep: leave the BLAS as it loads.
-  --blas_library L     the BLAS the ranks load, probed for --blas_kernel auto (default
-                       libblas.so.3, which Debian's LibTorch links)
-  --blas_info          print the BLAS, its kernel, the CPU and what the ranks would get; exit
-  -h, --help           this text
-
+Options come before the program, as --name=value or --name value.
 exit status: 0 when every rank exited 0; otherwise the failed rank's exit code, or
 128 + the signal that killed it, or 128 + the signal dtrain-run received (129 SIGHUP,
-130 SIGINT, 131 SIGQUIT, 143 SIGTERM).
+130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 2 for a usage error.
+
 )";
 
 struct BlasOptions {
   dtrain::BlasKernelPolicy policy = dtrain::BlasKernelPolicy::kAuto;
-  std::string library = "libblas.so.3";
+  std::string library;
   bool info_only = false;
 };
 
-int parse_int(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long v = std::stol(value, &used);
-    if (used != value.size()) throw std::invalid_argument("trailing characters");
-    return static_cast<int>(v);
-  } catch (const std::exception&) {
-    throw std::invalid_argument(fmt::format("{} expects an integer, got '{}'", flag, value));
-  }
-}
-
+// The options before the program; nullopt for -h/--help.
 std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOptions& blas) {
+  const std::vector<std::string> args(argv, argv + argc);
+  const size_t program = dtrain::cli::parse_flags(args, 1, dtrain::cli::Positional::kStop);
+  const bool dash_h = program < args.size() && args[program] == "-h" && args[program - 1] != "--";
+  if (absl::GetFlag(FLAGS_help) || dash_h) return std::nullopt;
   dtrain::launcher::NodeOptions o;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg == "-h" || arg == "--help") return std::nullopt;
-    if (arg == "--blas_info") {
-      blas.info_only = true;
-      continue;
-    }
-    if (arg.rfind("--", 0) != 0) break;  // the program
-    std::string value;
-    const auto eq = arg.find('=');
-    if (eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else {
-      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
-      value = argv[++i];
-    }
-    if (arg == "--nproc_per_node") {
-      o.nproc_per_node = parse_int(arg, value);
-    } else if (arg == "--nnodes") {
-      o.nnodes = parse_int(arg, value);
-    } else if (arg == "--node_rank") {
-      o.node_rank = parse_int(arg, value);
-    } else if (arg == "--master_addr") {
-      o.master_addr = value;
-    } else if (arg == "--master_port") {
-      o.master_port = parse_int(arg, value);
-    } else if (arg == "--grace_s") {
-      const int s = parse_int(arg, value);
-      if (s < 0) throw std::invalid_argument("--grace_s must not be negative");
-      o.grace = std::chrono::seconds(s);
-    } else if (arg == "--blas_kernel") {
-      if (value != "auto" && value != "keep") {
-        throw std::invalid_argument("--blas_kernel expects auto or keep, got '" + value + "'");
-      }
-      blas.policy =
-          value == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
-    } else if (arg == "--blas_library") {
-      blas.library = value;
-    } else {
-      throw std::invalid_argument("unknown option " + arg);
-    }
+  o.argv.assign(args.begin() + static_cast<std::ptrdiff_t>(program), args.end());
+  o.nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);
+  o.nnodes = absl::GetFlag(FLAGS_nnodes);
+  o.node_rank = absl::GetFlag(FLAGS_node_rank);
+  o.master_addr = absl::GetFlag(FLAGS_master_addr);
+  o.master_port = absl::GetFlag(FLAGS_master_port);
+  const int grace_s = absl::GetFlag(FLAGS_grace_s);
+  if (grace_s < 0) throw std::invalid_argument("--grace_s must not be negative");
+  o.grace = std::chrono::seconds(grace_s);
+  const std::string kernel = absl::GetFlag(FLAGS_blas_kernel);
+  if (kernel != "auto" && kernel != "keep") {
+    throw std::invalid_argument("--blas_kernel expects auto or keep, got '" + kernel + "'");
   }
-  for (; i < argc; ++i) o.argv.emplace_back(argv[i]);
+  blas.policy = kernel == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
+  blas.library = absl::GetFlag(FLAGS_blas_library);
+  blas.info_only = absl::GetFlag(FLAGS_blas_info);
   if (blas.info_only) return o;
   if (o.argv.empty()) throw std::invalid_argument("no program given");
   if (o.nnodes > 1 && o.master_port == 0) o.master_port = 29500;  // torchrun's default
@@ -157,11 +128,11 @@ int main(int argc, char** argv) {
   try {
     options = parse(argc, argv, blas);
   } catch (const std::exception& e) {
-    fmt::print(stderr, "dtrain-run: {}\n\n{}", e.what(), kUsage);
+    fmt::print(stderr, "dtrain-run: {}\n\n{}{}", e.what(), kUsage, dtrain::cli::flags_help());
     return 2;
   }
   if (!options) {
-    fmt::print("{}", kUsage);
+    fmt::print("{}{}", kUsage, dtrain::cli::flags_help());
     return 0;
   }
   dtrain::BlasInfo info;

@@ -17,6 +17,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "dtrain/launcher.h"
+
 namespace dtrain::testing {
 
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,

@@ -1,6 +1,6 @@
 // Helpers to run several ranks inside one test: as threads over an in-memory store
-// (fast), or as separate processes started with posix_spawn (exec, never a bare fork:
-// LibTorch's OpenMP runtime deadlocks in a forked child).
+// (fast), or as separate processes started by fork and an immediate exec (launcher/spawn.h;
+// never a bare fork: LibTorch's OpenMP runtime deadlocks in a forked child).
 #pragma once
 
 #include <functional>
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "dtrain/communicator.h"
-#include "launcher/local_ranks.h"
+#include "launcher/spawn.h"
 
 namespace dtrain::testing {
 

@@ -1,24 +1,31 @@
-// Starting and supervising the ranks of one node as child processes: the core of
-// dtrain-run, also used by programs that launch themselves (gpt2_train --nproc).
+// Starting the ranks of one node as processes and supervising them: what dtrain-run does,
+// for programs that start their own ranks, as torch.multiprocessing.spawn does for Python
+// (gpt2_train --nproc, the benchmarks):
 //
-// Plain POSIX and fmt, no LibTorch: it compiles fast, and a process that supervises its
-// ranks never needs to initialize torch. Children are started with fork and an immediate
-// exec; between the two the child makes only async-signal-safe system calls (process
-// group, parent-death signal, signal dispositions, redirections), so calling it after torch
-// ran is safe: nothing in the child touches OpenMP or a lock another thread may hold.
+//   if (std::getenv("RANK") == nullptr && nproc > 1) {  // not started by a launcher
+//     dtrain::launcher::NodeOptions node;
+//     node.argv = dtrain::launcher::self_command(argc, argv);
+//     node.nproc_per_node = nproc;
+//     return dtrain::launcher::run_node(node);  // runs this program once per rank
+//   }
+//   auto comm = dtrain::init_communicator(dtrain::LaunchInfo::from_env());
+//
+// Plain POSIX, no LibTorch: the ranks are started with fork and an immediate exec, and
+// between the two the child makes only async-signal-safe system calls (process group,
+// parent-death signal, signal dispositions, redirections). Calling it after LibTorch ran is
+// therefore safe: nothing in the child touches OpenMP or a lock another thread may hold.
 //
 // Failure model of run_node() (docs/gpt2.md, "How ranks start"):
 // - every rank is the leader of its own process group; stopping a rank signals its group,
 //   so processes a rank started are stopped with it;
 // - SIGINT and SIGTERM are forwarded, SIGHUP and SIGQUIT are handled like SIGTERM (SIGTERM
 //   goes to the ranks); a second signal, or `grace` after the first, SIGKILLs them;
+// - when a rank fails, the other ranks are stopped and the failure decides the exit status;
 // - when a rank's leader ends, whatever is left in its group is SIGKILLed (before the leader
 //   is reaped, so its process group id cannot have been reused);
 // - the ranks get SIGKILL when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG);
 //   processes a rank started are then that rank's business.
 #pragma once
-
-#include <sys/types.h>
 
 #include <chrono>
 #include <map>
@@ -44,7 +51,8 @@ struct NodeOptions {
   // Prefix of the messages printed on stderr.
   std::string name = "dtrain-run";
   // Variables added to every rank's environment (e.g. the OPENBLAS_CORETYPE a
-  // dtrain::BlasKernelPlan selects); the rank variables above take precedence.
+  // dtrain::BlasKernelPlan selects, or OMP_NUM_THREADS); they replace the launcher's own
+  // values, and the rank variables below take precedence over them.
   std::map<std::string, std::string> environment;
 };
 
@@ -62,54 +70,29 @@ void validate(const NodeOptions& options);
 //
 // Signals received meanwhile: SIGINT and SIGTERM are forwarded to the ranks' groups,
 // SIGHUP and SIGQUIT send SIGTERM to them (a SIGHUP ignored when run_node starts, as under
-// nohup, stays ignored); a second signal kills them. When a rank fails (non-zero exit or a
-// signal), prints which rank failed and how and sends SIGTERM to the other ranks' groups.
-// Groups still running `grace` after a SIGTERM get SIGKILL. SIGCHLD is at its default
-// meanwhile (ignored, the kernel would reap the ranks and lose their statuses). A waitpid()
-// result other than the rank's own status (e.g. ECHILD: someone else reaped it) counts as a
-// failure of that rank.
+// nohup, stays ignored); a second signal kills them. The handlers are this process's only
+// while run_node runs; the previous ones are restored when it returns. When a rank fails
+// (non-zero exit or a signal), prints which rank failed and how and sends SIGTERM to the
+// other ranks' groups. Groups still running `grace` after a SIGTERM get SIGKILL. SIGCHLD
+// is at its default meanwhile (ignored, the kernel would reap the ranks and lose their
+// statuses). A waitpid() result other than the rank's own status (e.g. ECHILD: someone
+// else reaped it) counts as a failure of that rank.
 //
 // Returns the status to exit with: 0 when every rank exited 0; else the failed rank's exit
 // code, or 128 + signal number when it was killed by a signal or a signal stopped the job
 // (129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 1 for a waitpid failure. Throws
-// std::runtime_error when a rank cannot be started (the ones already started are killed
-// first).
+// std::invalid_argument for bad options (see validate) and std::runtime_error when a rank
+// cannot be started (the ones already started are killed first).
 int run_node(const NodeOptions& options);
 
+// The command that starts this program again with the same arguments, for
+// NodeOptions::argv: the executable /proc/self/exe points to (so that neither a relative
+// argv[0] nor PATH can pick another program; argv[0] if it cannot be read) and argv[1..].
+std::vector<std::string> self_command(int argc, char** argv);
+
 // This process's environment as KEY=VALUE strings, without the names in `remove`, with
-// `overrides` set.
+// `overrides` set: the environment of a program this process starts (exec, spawn).
 std::vector<std::string> environment_with(const std::map<std::string, std::string>& overrides,
                                           const std::set<std::string>& remove = {});
-
-struct SpawnOptions {
-  // stdout/stderr go to these files (truncated; "" keeps the parent's; the same path for
-  // both shares one file).
-  std::string stdout_path;
-  std::string stderr_path;
-  // stdin from /dev/null instead of the parent's.
-  bool null_stdin = false;
-  // The child leads a new process group (its pgid is its pid), so kill(-pid, sig) reaches
-  // it and everything it starts.
-  bool own_process_group = false;
-  // Signal the child gets when the calling thread ends (0: none). The child checks that
-  // the parent is still there after setting it, so a parent that dies during the spawn
-  // cannot leave it running.
-  int parent_death_signal = 0;
-};
-
-// Starts `program` (looked up in PATH unless it contains a '/') with `argv` and `env`, by
-// fork and an immediate exec. SIGINT, SIGTERM, SIGHUP and SIGQUIT start at their defaults
-// in the child, with no signal blocked. Throws std::runtime_error naming the program (or
-// the output file) and the cause when it cannot start; the child is then already reaped.
-pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
-                    const std::vector<std::string>& env, const SpawnOptions& options);
-
-// The same with default SpawnOptions apart from the output files.
-pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
-                    const std::vector<std::string>& env, const std::string& stdout_path = "",
-                    const std::string& stderr_path = "");
-
-// A TCP port on 127.0.0.1 in [20000, 32000) that was free a moment ago.
-int free_port();
 
 }  // namespace dtrain::launcher
