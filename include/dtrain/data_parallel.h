@@ -57,21 +57,9 @@ class DataParallel final : public Strategy {
   int rank() const override;
   int world_size() const override;
 
-  // While the returned guard lives, backward() accumulates gradients locally without
-  // communicating (gradient accumulation over micro-batches); the first backward after it
-  // is destroyed reduces the accumulated sum.
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(DataParallel& ddp);
-    ~NoSyncGuard();
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
-   private:
-    DataParallel& ddp_;
-    bool previous_;
-  };
-  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  // Gradient accumulation: Strategy::no_sync() / set_requires_gradient_sync(). Under it
+  // backward() accumulates into the buckets without communicating; the first synced backward
+  // reduces the accumulated sum.
 
   // Bucket layout: parameter indices (in module->parameters() order) of each bucket, in
   // launch order; and the launch order observed in the last synced backward.

@@ -106,6 +106,41 @@ class Strategy {
   // L2 norm of the full (global-batch, unsharded) gradient. Call after backward().
   virtual double grad_norm() = 0;
 
+  // Gradient accumulation over micro-batches. While gradient sync is off, backward() adds
+  // this rank's gradient to what earlier backward() calls left and issues no gradient
+  // collective; the first backward() with sync on reduces the accumulated sum, so parameters()'
+  // gradients then hold the gradient of the global batch of every micro-batch (scale each
+  // micro-batch's loss by 1 / micro-batches for their mean):
+  //
+  //   for (int m = 0; m < n; ++m) {
+  //     strategy->set_requires_gradient_sync(m + 1 == n);  // communicate on the last one
+  //     strategy->backward(strategy->forward([&] { return loss_of(micro[m]); }) / n);
+  //   }
+  //
+  // Every rank must use the same setting in the same step (the step agreements still run).
+  // What the local sum costs: SingleDevice and DataParallel nothing (DDP's buckets hold it);
+  // FSDP an unsharded fp32 gradient per unit until the synced backward (docs/strategies.md).
+  void set_requires_gradient_sync(bool sync) { gradient_sync_ = sync; }
+  bool requires_gradient_sync() const { return gradient_sync_; }
+
+  // Sync off while the guard lives (the previous setting comes back when it is destroyed):
+  //   { auto guard = strategy->no_sync(); strategy->backward(first_micro_batch_loss); }
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(Strategy& strategy)
+        : strategy_(strategy), previous_(strategy.requires_gradient_sync()) {
+      strategy_.set_requires_gradient_sync(false);
+    }
+    ~NoSyncGuard() { strategy_.set_requires_gradient_sync(previous_); }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    Strategy& strategy_;
+    bool previous_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
   // Scales gradients so that their global norm is at most max_norm; returns the norm before
   // clipping (as torch::nn::utils::clip_grad_norm_ does).
   virtual double clip_grad_norm(double max_norm);
@@ -138,6 +173,9 @@ class Strategy {
   // forward()'s fn threw `error`: issue what the other ranks still expect from this step,
   // agree the failure with them and reset. Must not throw; forward() rethrows `error`.
   virtual void forward_failed(std::exception_ptr /*error*/) noexcept {}
+
+ private:
+  bool gradient_sync_ = true;
 };
 
 // Bytes held by the defined tensors (each storage counted once).

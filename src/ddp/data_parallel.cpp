@@ -50,7 +50,7 @@ class DataParallel::Reducer {
   CommunicatorPtr comm_;
   DataParallelOptions options_;
   std::shared_ptr<CommHook> hook_;
-  bool sync_ = true;
+  bool sync_ = true;  // Strategy::requires_gradient_sync(), copied at forward and backward
   StepStats stats_;
   std::vector<std::vector<size_t>> assignment_;
   std::vector<int> launch_order_;
@@ -468,7 +468,10 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, Communicat
 
 DataParallel::~DataParallel() = default;
 
-void DataParallel::backward(const at::Tensor& loss) { reducer_->backward(loss); }
+void DataParallel::backward(const at::Tensor& loss) {
+  reducer_->sync_ = requires_gradient_sync();
+  reducer_->backward(loss);
+}
 std::vector<at::Tensor> DataParallel::parameters() { return reducer_->module_->parameters(); }
 StateLayout DataParallel::state_layout() {
   return replicated_state_layout(*reducer_->module_, reducer_->comm_, "replicated (ddp)");
@@ -480,7 +483,10 @@ int64_t DataParallel::model_state_bytes(const std::vector<at::Tensor>& optimizer
 const StepStats& DataParallel::last_step_stats() const { return reducer_->stats_; }
 int DataParallel::rank() const { return reducer_->comm_->rank(); }
 int DataParallel::world_size() const { return reducer_->comm_->world_size(); }
-void DataParallel::begin_forward() { reducer_->begin_forward(); }
+void DataParallel::begin_forward() {
+  reducer_->sync_ = requires_gradient_sync();  // the bucket rebuild and a failed forward read it
+  reducer_->begin_forward();
+}
 void DataParallel::end_forward(at::Tensor& /*output*/) { reducer_->end_forward(); }
 void DataParallel::forward_failed(std::exception_ptr error) noexcept {
   reducer_->forward_failed(std::move(error));
@@ -490,11 +496,5 @@ std::vector<std::vector<size_t>> DataParallel::bucket_assignment() const {
   return reducer_->assignment_;
 }
 std::vector<int> DataParallel::last_launch_order() const { return reducer_->launch_order_; }
-
-DataParallel::NoSyncGuard::NoSyncGuard(DataParallel& ddp)
-    : ddp_(ddp), previous_(ddp.reducer_->sync_) {
-  ddp_.reducer_->sync_ = false;
-}
-DataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.reducer_->sync_ = previous_; }
 
 }  // namespace dtrain

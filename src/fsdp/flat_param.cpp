@@ -101,4 +101,14 @@ at::Tensor FlatParam::take_grads(c10::ScalarType dtype) {
   return flat;
 }
 
+void FlatParam::add_grads_to(at::Tensor& sum) {
+  c10::NoGradGuard no_grad;
+  if (!sum.defined()) sum = at::zeros({padded_}, full_.options().dtype(at::kFloat));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = params_[i];
+    if (p.grad().defined()) sum.narrow(0, offsets_[i], p.numel()).add_(p.grad().reshape({-1}));
+    p.mutable_grad().reset();
+  }
+}
+
 }  // namespace dtrain::fsdp

@@ -85,6 +85,9 @@ class FlatParam {
   // in `dtype` (parameters without a gradient contribute zeros); the parameters' .grad are
   // cleared (the unsharded gradient is not kept).
   at::Tensor take_grads(c10::ScalarType dtype);
+  // Adds the parameters' gradients to `sum` (fp32, `padded` elements, created as zeros when
+  // undefined) and clears them: gradient accumulation without communication.
+  void add_grads_to(at::Tensor& sum);
 
  private:
   FlatParamOptions options_;

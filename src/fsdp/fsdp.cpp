@@ -118,13 +118,14 @@ std::vector<at::Tensor> FullyShardedDataParallel::Impl::shards() const {
 
 // --- a step ---
 
-void FullyShardedDataParallel::Impl::begin_forward() {
+void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
   fsdp::Schedule* active = fsdp::active_schedule();
   if (active != nullptr && active != schedule_.get()) {
     throw InvalidArgument(ctx("forward"), "another FSDP forward is running on this thread");
   }
   steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   training_forward_ = c10::GradMode::is_enabled();
+  schedule_->set_gradient_sync(gradient_sync);
   {
     std::lock_guard<std::mutex> lock(schedule_->mutex());
     schedule_->clear_log();
@@ -151,7 +152,7 @@ void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
   }
 }
 
-void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
+void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradient_sync) {
   steps_.check_usable("backward");
   fsdp::Schedule& s = *schedule_;
   if (!s.order_recorded()) {
@@ -159,6 +160,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss) {
   }
   {
     std::lock_guard<std::mutex> lock(s.mutex());
+    s.set_gradient_sync(gradient_sync);
     s.arm();
   }
   std::exception_ptr failure;
@@ -273,13 +275,15 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Mo
     : impl_(std::make_unique<Impl>(std::move(module), std::move(comm), std::move(options))) {}
 FullyShardedDataParallel::~FullyShardedDataParallel() = default;
 
-void FullyShardedDataParallel::begin_forward() { impl_->begin_forward(); }
+void FullyShardedDataParallel::begin_forward() { impl_->begin_forward(requires_gradient_sync()); }
 void FullyShardedDataParallel::end_forward(at::Tensor& output) { impl_->end_forward(output); }
 void FullyShardedDataParallel::forward_failed(std::exception_ptr error) noexcept {
   impl_->forward_failed(std::move(error));
 }
 void FullyShardedDataParallel::finish() { impl_->finish(); }
-void FullyShardedDataParallel::backward(const at::Tensor& loss) { impl_->backward(loss); }
+void FullyShardedDataParallel::backward(const at::Tensor& loss) {
+  impl_->backward(loss, requires_gradient_sync());
+}
 std::vector<at::Tensor> FullyShardedDataParallel::parameters() { return impl_->shards(); }
 double FullyShardedDataParallel::grad_norm() { return impl_->grad_norm(); }
 int64_t FullyShardedDataParallel::model_state_bytes(

@@ -23,11 +23,12 @@ class FullyShardedDataParallel::Impl {
   Impl(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm, FsdpOptions options);
   ~Impl();
 
-  void begin_forward();
+  // gradient_sync: Strategy::requires_gradient_sync() of the step.
+  void begin_forward(bool gradient_sync);
   void end_forward(at::Tensor& output);
   void forward_failed(std::exception_ptr error);
   void finish();
-  void backward(const at::Tensor& loss);
+  void backward(const at::Tensor& loss, bool gradient_sync);
   double grad_norm();
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();

@@ -194,7 +194,12 @@ void Schedule::launch_ready_reductions() {
   // Strictly in the agreed order, so every rank issues the same collectives in the same order.
   while (next_reduce_ < reduce_order_.size() && units_[reduce_order_[next_reduce_]].pending() <= 0) {
     if (next_reduce_ == 0) first_reduce_ = Clock::now();
-    units_[reduce_order_[next_reduce_]].launch_reduction();
+    Unit& u = units_[reduce_order_[next_reduce_]];
+    if (sync_) {
+      u.launch_reduction();
+    } else {
+      u.hold();
+    }
     ++next_reduce_;
     if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
         next_reduce_ < reduce_order_.size()) {
@@ -209,10 +214,12 @@ void Schedule::flush() {
 }
 
 void Schedule::complete() {
+  if (!sync_) return;
   for (int index : reduce_order_) units_[index].complete_reduction();
 }
 
 void Schedule::accumulate() {
+  if (!sync_) return;
   for (int index : reduce_order_) units_[index].accumulate();
 }
 

@@ -8,7 +8,9 @@
 //   backward   arm() at its start; a hook on each parameter's gradient accumulator counts the
 //              unit down, and reductions launch strictly in the agreed reverse order, so every
 //              rank issues the same collectives in the same order; flush() launches what got
-//              no gradient, complete() waits, accumulate() adds the shards' gradients.
+//              no gradient, complete() waits, accumulate() adds the shards' gradients. With
+//              gradient sync off, complete units are held (unsharded) instead of reduced, in
+//              the same order, and complete() / accumulate() have nothing to do.
 //   prefetch   BACKWARD_PRE gathers the next unit when a unit's backward starts, BACKWARD_POST
 //              once a unit's reduction is issued, forward prefetch while a unit's forward runs;
 //              at most limit_all_gathers units are gathered ahead of use.
@@ -88,6 +90,9 @@ class Schedule final : private UnitObserver {
   const std::vector<std::string>& order_names() const { return order_names_; }
 
   // --- backward (the caller holds mutex() from arm() to accumulate()) ---
+  // Whether the next backward reduces (Strategy::requires_gradient_sync()); set before a
+  // forward (a failed forward replays the backward of this mode) and before backward.
+  void set_gradient_sync(bool sync) { sync_ = sync; }
   void arm();
   void disarm() { armed_ = false; }
   // Everything that got no gradient reduces now, in order.
@@ -107,11 +112,12 @@ class Schedule final : private UnitObserver {
     int unit;
     bool operator==(const Issued& o) const { return kind == o.kind && unit == o.unit; }
   };
-  // Collectives of the running backward so far; of the last successful one.
+  // Collectives of the running backward so far; of the last successful one with the same
+  // gradient sync setting (a backward without sync issues only the all-gathers).
   const std::vector<Issued>& backward_log() const { return backward_log_; }
-  const std::vector<Issued>& last_backward_log() const { return last_backward_log_; }
+  const std::vector<Issued>& last_backward_log() const { return last_backward_log_[sync_]; }
   void end_backward() { in_backward_ = false; }
-  void keep_backward_log() { last_backward_log_ = backward_log_; }
+  void keep_backward_log() { last_backward_log_[sync_] = backward_log_; }
   // One of the schedule's collectives or transitions failed in this step.
   bool failed_in_step() const { return failed_; }
   void finish_forward_as_peers_do();
@@ -134,6 +140,8 @@ class Schedule final : private UnitObserver {
   void prefetch(int index, const char* why);
   void pre_backward(int position);
   void on_grad_ready(int index);
+  // Launches (or holds, without sync) the reductions whose turn came and whose gradients
+  // are complete.
   void launch_ready_reductions();
 
   // UnitObserver
@@ -158,11 +166,12 @@ class Schedule final : private UnitObserver {
   std::vector<int> reduce_order_;
   size_t next_reduce_ = 0;
   bool armed_ = false;
+  bool sync_ = true;
   Clock::time_point first_reduce_;
 
   bool in_backward_ = false;  // collectives issued now are logged in backward_log_
   bool failed_ = false;
-  std::vector<Issued> backward_log_, last_backward_log_;
+  std::vector<Issued> backward_log_, last_backward_log_[2];  // [sync]
 
   mutable std::mutex mu_;
   StepStats stats_;

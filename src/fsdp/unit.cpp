@@ -26,6 +26,7 @@ const char* Unit::name_of(GradState s) {
   switch (s) {
     case GradState::kIdle: return "IDLE";
     case GradState::kAccumulating: return "ACCUMULATING";
+    case GradState::kHeld: return "HELD";
     case GradState::kReducing: return "REDUCING";
     case GradState::kReduced: return "REDUCED";
   }
@@ -65,6 +66,14 @@ void Unit::expect(const char* transition, GradState from) {
   observer_->failed();
   throw Error(ctx(transition), fmt::format("internal error: unit '{}' gradient is {}, {} needs {}",
                                            name_, name_of(grad_), transition, name_of(from)));
+}
+
+void Unit::expect(const char* transition, GradState from, GradState or_from) {
+  if (grad_ == from || grad_ == or_from) return;
+  observer_->failed();
+  throw Error(ctx(transition),
+              fmt::format("internal error: unit '{}' gradient is {}, {} needs {} or {}", name_,
+                          name_of(grad_), transition, name_of(from), name_of(or_from)));
 }
 
 template <typename Fn>
@@ -125,7 +134,7 @@ void Unit::reshard_any() {
 // --- gradient ---
 
 void Unit::arm() {
-  expect("arm", GradState::kIdle);
+  expect("arm", GradState::kIdle, GradState::kHeld);
   pending_ = static_cast<int>(flat_.num_params());
   grad_ = GradState::kAccumulating;
 }
@@ -139,10 +148,25 @@ void Unit::stop_waiting() {
   if (grad_ == GradState::kAccumulating) pending_ = 0;
 }
 
+void Unit::hold() {
+  expect("hold", GradState::kAccumulating);
+  flat_.add_grads_to(held_);
+  reshard_any();  // the unit's backward is over, as in launch_reduction()
+  grad_ = GradState::kHeld;
+}
+
 void Unit::launch_reduction() {
   expect("launch_reduction", GradState::kAccumulating);
   c10::NoGradGuard no_grad;
-  at::Tensor flat = flat_.take_grads(comms_->reduce_dtype);
+  at::Tensor flat;
+  if (held_.defined()) {
+    // The micro-batches' sum is taken in fp32, then reduced in the reduce dtype.
+    flat_.add_grads_to(held_);
+    flat = held_.to(comms_->reduce_dtype);
+    held_ = at::Tensor();
+  } else {
+    flat = flat_.take_grads(comms_->reduce_dtype);
+  }
   // The unit's backward is over (all its gradients arrived): its parameters can go. A unit
   // that got no gradient may still be sharded or gathering (prefetched).
   reshard_any();
@@ -185,8 +209,9 @@ void Unit::accumulate() {
   grad_ = GradState::kIdle;
 }
 
-// Only after the step's collectives completed on this rank (the works are waited for here,
-// never abandoned while they write).
+// Any state -> SHARDED / IDLE, the gradient (also a held one) dropped. Only after the step's
+// collectives completed on this rank (the works are waited for here, never abandoned while
+// they write).
 void Unit::reset() {
   c10::NoGradGuard no_grad;
   for (WorkPtr* w : {&gather_work_, &reduce_work_}) {
@@ -201,6 +226,7 @@ void Unit::reset() {
   }
   gather_input_ = at::Tensor();
   reduce_out_ = at::Tensor();
+  held_ = at::Tensor();
   if (state_ != ParamState::kSharded) {
     state_ = ParamState::kUnsharded;
     reshard();

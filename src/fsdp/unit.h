@@ -17,13 +17,16 @@
 // Gradient (GradState), within one backward:
 //   IDLE          no backward in progress
 //   ACCUMULATING  backward armed; pending() parameters still wait for their gradient
+//   HELD          gradient sync off (no_sync): the unit's unsharded gradient, summed over
+//                 the micro-batches so far, is kept (fp32) instead of reduced
 //   REDUCING      flattened and reduce-scattered / all-reduced (in flight)
 //   REDUCED       the averaged shard gradient is ready, to be added to the shard's .grad
 //                 once every rank agreed that the step succeeded
 //
-//   arm()                 IDLE         -> ACCUMULATING
+//   arm()                 IDLE or HELD -> ACCUMULATING
 //   gradient_arrived()    ACCUMULATING (one parameter's gradient is accumulated)
-//   launch_reduction()    ACCUMULATING -> REDUCING   (the unit's parameters are resharded)
+//   hold()                ACCUMULATING -> HELD       (the unit's parameters are resharded)
+//   launch_reduction()    ACCUMULATING -> REDUCING   (resharded; a held sum is included)
 //   complete_reduction()  REDUCING     -> REDUCED
 //   accumulate()          REDUCED      -> IDLE
 //
@@ -84,7 +87,7 @@ class UnitObserver {
 class Unit {
  public:
   enum class ParamState { kSharded, kGathering, kUnsharded };
-  enum class GradState { kIdle, kAccumulating, kReducing, kReduced };
+  enum class GradState { kIdle, kAccumulating, kHeld, kReducing, kReduced };
   static const char* name_of(ParamState s);
   static const char* name_of(GradState s);
 
@@ -102,6 +105,8 @@ class Unit {
   GradState grad_state() const { return grad_; }
   // ACCUMULATING: parameters whose gradient has not arrived yet.
   int pending() const { return pending_; }
+  // HELD (and ACCUMULATING after HELD): the unsharded fp32 gradient sum kept without sync.
+  const at::Tensor& held_gradient() const { return held_; }
 
   // Keeps the parameters' gradient accumulators alive with `on_ready` registered to run after
   // each of them accumulated a gradient.
@@ -124,6 +129,7 @@ class Unit {
   bool gradient_arrived();
   // The parameters that have not got a gradient will not get one in this backward.
   void stop_waiting();
+  void hold();
   void launch_reduction();
   void complete_reduction();
   void accumulate();
@@ -134,6 +140,7 @@ class Unit {
   ErrorContext ctx(const char* op) const;
   void expect(const char* transition, ParamState from);
   void expect(const char* transition, GradState from);
+  void expect(const char* transition, GradState from, GradState or_from);
   // Runs a collective call; an exception from it means this rank's collectives may no longer
   // match its peers'.
   template <typename Fn>
@@ -152,6 +159,7 @@ class Unit {
 
   GradState grad_ = GradState::kIdle;
   int pending_ = 0;
+  at::Tensor held_;        // fp32, `padded` elements; undefined when nothing is held
   WorkPtr reduce_work_;    // REDUCING: the reduce-scatter (null without a shard group)
   at::Tensor reduce_out_;  // REDUCING / REDUCED
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <mutex>
 #include <thread>
 
@@ -35,6 +36,7 @@ struct FsdpCase {
   bool nested = true;
   Opt opt = Opt::kSgd;
   double clip = 0;
+  bool accumulate = false;  // two micro-batches per step, the first under no_sync()
   c10::optional<c10::ScalarType> param_dtype;
   double rtol = 1e-5, atol = 1e-6;
 };
@@ -91,10 +93,11 @@ TEST_P(FsdpEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
   c.model = Model::kTransformer;
   c.opt = fc.opt;
   c.clip = fc.clip;
+  c.accumulate = fc.accumulate;
   const auto data = make_data(c.model, world);
   auto ref = make_model(c.model, 7);
   SingleDevice single(ref);
-  train(c, single, *ref, data, 0, kLocalBatch * world, nullptr);
+  train(c, single, *ref, data, 0, kLocalBatch * world, nullptr);  // one big batch
 
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
   for (int r = 0; r < world; ++r) modules.push_back(make_model(c.model, r == 0 ? 7 : 100 + r));
@@ -111,7 +114,7 @@ TEST_P(FsdpEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
     o.replicate_group = g.replicate_group;
     FullyShardedDataParallel fsdp(modules[r],
                                   std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
-    train(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, nullptr);
+    train(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, &fsdp);
     auto state = fsdp.full_state_dict();
     if (r == 0) {
       expect_state_matches(state, *ref, fc.rtol, fc.atol);
@@ -140,6 +143,13 @@ std::vector<FsdpCase> fsdp_cases() {
       make("full_shard_flat_units", [](FsdpCase& c) { c.nested = false; }),
       make("shard_grad_op", [](FsdpCase& c) { c.sharding = ShardingStrategy::kShardGradOp; }),
       make("no_shard", [](FsdpCase& c) { c.sharding = ShardingStrategy::kNoShard; }),
+      // Gradient accumulation: the unsharded sum over micro-batches, reduced once.
+      make("full_shard_accumulation", [](FsdpCase& c) { c.accumulate = true; }),
+      make("no_shard_accumulation",
+           [](FsdpCase& c) {
+             c.sharding = ShardingStrategy::kNoShard;
+             c.accumulate = true;
+           }),
       // Adam divides by sqrt(v): round-off is amplified, hence 1e-4 (see training.h's eps).
       make("full_shard_adamw_clip",
            [](FsdpCase& c) {
@@ -165,9 +175,18 @@ FsdpCase hybrid_case() {
   c.sharding = ShardingStrategy::kHybridShard;
   return c;
 }
+FsdpCase hybrid_accumulation_case() {
+  FsdpCase c = hybrid_case();
+  c.name = "hybrid_2x2_accumulation";
+  c.accumulate = true;
+  return c;
+}
 INSTANTIATE_TEST_SUITE_P(Hybrid, FsdpEquivalence,
-                         ::testing::Values(std::make_tuple(4, hybrid_case())),
-                         [](const auto&) { return std::string("hybrid_2x2_world4"); });
+                         ::testing::Values(std::make_tuple(4, hybrid_case()),
+                                           std::make_tuple(4, hybrid_accumulation_case())),
+                         [](const auto& info) {
+                           return std::get<1>(info.param).name + "_world4";
+                         });
 
 FsdpCase bf16_case() {
   FsdpCase c;
@@ -243,6 +262,80 @@ TEST(FsdpPrefetch, PoliciesOrderCollectivesAsSpecified) {
   auto fwd = step_log(2, o);
   EXPECT_NE(position(fwd, "all_gather:h1 (prefetch)"), std::string::npos)
       << fmt::format("{}", fmt::join(fwd, ", "));
+}
+
+size_t count_prefix(const std::vector<std::string>& log, const std::string& prefix) {
+  return static_cast<size_t>(std::count_if(log.begin(), log.end(), [&](const std::string& e) {
+    return e.rfind(prefix, 0) == 0;
+  }));
+}
+
+// Under no_sync() a backward issues no gradient collective and holds each unit's unsharded
+// fp32 gradient; the synced backward reduces each unit exactly once.
+TEST(FsdpAccumulation, OneReductionPerUnitPerOptimizerStep) {
+  at::set_num_threads(1);
+  const int world = 2;
+  const auto data = make_data(Model::kTransformer, world);
+  for (auto sharding : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+    const std::string reduction =
+        sharding == ShardingStrategy::kFullShard ? "reduce_scatter:" : "all_reduce:";
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    for (int r = 0; r < world; ++r) modules.push_back(make_model(Model::kTransformer, 7));
+    run_ranks(world, [&](Communicator& comm) {
+      const int r = comm.rank();
+      FsdpOptions o;
+      o.sharding = sharding;
+      o.wrap_policy = wrap_modules_named("BlockImpl");
+      FullyShardedDataParallel fsdp(modules[r],
+                                    std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+      auto opt = make_opt(Opt::kSgd, fsdp.parameters());
+      int64_t held_bytes = 0;  // the documented cost: 4 bytes per padded element of every unit
+      for (const auto& [name, t] : fsdp.sharded_state_dict()) {
+        if (name.size() > 10 && name.compare(name.size() - 10, 10, ".flat_meta") == 0) {
+          held_bytes += 4 * t[3].item<int64_t>();
+        }
+      }
+      for (int step = 0; step < 2; ++step) {
+        opt->zero_grad();
+        at::Tensor x = data[step].x.narrow(0, r * kLocalBatch, kLocalBatch);
+        at::Tensor y = data[step].y.narrow(0, r * kLocalBatch, kLocalBatch);
+        auto micro = [&](int64_t from, int64_t n) {
+          at::Tensor l = fsdp.forward([&] {
+            return loss_of(Model::kTransformer, *modules[r], x.narrow(0, from, n),
+                           y.narrow(0, from, n), false);
+          });
+          fsdp.backward(l);
+        };
+        const int64_t before = fsdp.model_state_bytes();
+        {
+          auto guard = fsdp.no_sync();
+          DTRAIN_CHECK(!fsdp.requires_gradient_sync(), "no_sync() turns sync off");
+          micro(0, 1);
+        }
+        DTRAIN_CHECK(fsdp.requires_gradient_sync(), "the guard restores sync");
+        const auto held = fsdp.last_collective_log();
+        DTRAIN_CHECK(count_prefix(held, "reduce_scatter:") + count_prefix(held, "all_reduce:") == 0,
+                     "step {}: no_sync backward reduced: {}", step, fmt::join(held, ", "));
+        DTRAIN_CHECK(fsdp.model_state_bytes() - before == held_bytes,
+                     "step {}: held gradients take {} bytes, expected {}", step,
+                     fsdp.model_state_bytes() - before, held_bytes);
+        micro(1, kLocalBatch - 1);
+        const auto synced = fsdp.last_collective_log();
+        for (const std::string unit : {"(root)", "h0", "h1"}) {
+          DTRAIN_CHECK(count_prefix(synced, reduction + unit) == 1,
+                       "step {}: {} issued {} times: {}", step, reduction + unit,
+                       count_prefix(synced, reduction + unit), fmt::join(synced, ", "));
+        }
+        DTRAIN_CHECK(count_prefix(synced, reduction) == 3, "step {}: {}", step,
+                     fmt::join(synced, ", "));
+        if (step > 0) {  // (step 0 created the shards' .grad)
+          DTRAIN_CHECK(fsdp.model_state_bytes() == before, "step {}: the held gradient is freed",
+                       step);
+        }
+        opt->step();
+      }
+    });
+  }
 }
 
 TEST(FsdpMemory, ModelStateIsAboutOneNthOfDataParallel) {

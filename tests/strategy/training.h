@@ -32,7 +32,7 @@ struct Case {
   Model model = Model::kMlp;
   Opt opt = Opt::kSgd;
   std::function<std::shared_ptr<CommHook>()> hook;  // null: default
-  bool accumulate = false;  // two micro-batches per step, the first under no_sync
+  bool accumulate = false;  // two micro-batches per step, the first under no_sync()
   bool skip_extra = false;  // the MLP's extra branch is used on even steps only
   bool find_unused = false;
   bool set_to_none = false;  // reset .grad to undefined instead of zeroing (2.x zero_grad)
@@ -90,9 +90,12 @@ inline std::unique_ptr<torch::optim::Optimizer> make_opt(Opt o, std::vector<at::
       params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-4));
 }
 
-// Trains with `strategy` on rows [row0, row0 + rows) of each global batch.
+// Trains with `strategy` on rows [row0, row0 + rows) of each global batch. `accumulating`: the
+// strategy under test, which with c.accumulate runs each step as two micro-batches, the first
+// under its no_sync(); null (the single-device reference): one batch per step.
 inline void train(const Case& c, Strategy& strategy, torch::nn::Module& module,
-                  const std::vector<Batch>& data, int64_t row0, int64_t rows, DataParallel* ddp) {
+                  const std::vector<Batch>& data, int64_t row0, int64_t rows,
+                  Strategy* accumulating) {
   auto opt = make_opt(c.opt, strategy.parameters());
   for (int s = 0; s < kSteps; ++s) {
     const bool use_extra = !c.skip_extra || s % 2 == 0;
@@ -103,10 +106,10 @@ inline void train(const Case& c, Strategy& strategy, torch::nn::Module& module,
     } else {
       opt->zero_grad();
     }
-    if (c.accumulate && ddp != nullptr) {
+    if (c.accumulate && accumulating != nullptr) {
       const int64_t half = rows / 2;
       {
-        auto guard = ddp->no_sync();
+        auto guard = accumulating->no_sync();
         at::Tensor l = strategy.forward([&] {
           return loss_of(c.model, module, x.narrow(0, 0, half), y.narrow(0, 0, half), use_extra);
         });
