@@ -77,7 +77,8 @@ ABSL_FLAG(int64_t, batch, 8,
           "Sequences per rank per micro-batch. The global batch of a step is batch x ranks x "
           "grad_accum sequences of ctx tokens; compare strategies at the same global batch.");
 ABSL_FLAG(int64_t, grad_accum, 1,
-          "Micro-batches per optimizer step. DDP communicates only on the last one (no_sync).");
+          "Micro-batches per optimizer step. Gradients are reduced on the last one only (DDP "
+          "and FSDP accumulate the others locally).");
 ABSL_FLAG(int64_t, epochs, 1, "Passes over the training tokens (ignored when --steps is set).");
 ABSL_FLAG(int64_t, steps, 0,
           "Optimizer steps in total; 0: --epochs x steps per epoch. Epochs still mark the "

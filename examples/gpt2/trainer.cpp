@@ -183,12 +183,12 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
 }
 
 // Forward and backward of one micro-batch; adds its communication to `record` and returns
-// its loss. Only the step's last micro-batch communicates gradients (DDP: no_sync before).
+// its loss. Only the step's last micro-batch communicates gradients: the others accumulate
+// locally (Strategy::set_requires_gradient_sync; DDP in its buckets, FSDP unsharded).
 double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
   Batch b = load_batch(train_tokens_, *train_sampler_, micro_batch);
   at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
-  std::optional<dtrain::DataParallel::NoSyncGuard> no_sync;
-  if (ddp_ != nullptr && !last) no_sync.emplace(*ddp_);
+  strategy_->set_requires_gradient_sync(last);
   at::Tensor loss = strategy_->forward([&] { return model_->loss(x, y, c_.fused_loss()); });
   const double value = loss.item<double>();
   strategy_->backward(c_.grad_accum > 1 ? loss / static_cast<double>(c_.grad_accum) : loss);

@@ -88,7 +88,6 @@ class Trainer {
   std::unique_ptr<DistributedSampler> train_sampler_, val_sampler_;
   Gpt model_{nullptr};
   std::shared_ptr<dtrain::Strategy> strategy_;
-  dtrain::DataParallel* ddp_ = nullptr;  // strategy_ under --strategy ddp
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   Reporter report_;
   std::unique_ptr<OpProfile> op_profile_;  // rank 0 with --profile_out

@@ -185,9 +185,7 @@ void Trainer::setup_model_and_strategy() {
       if (c_.comm_hook == CommHookKind::kParameterServer) {
         o.comm_hook = dtrain::parameter_server_hook(0);
       }
-      auto ddp = std::make_shared<dtrain::DataParallel>(module, comm_, o);
-      ddp_ = ddp.get();
-      strategy_ = ddp;
+      strategy_ = std::make_shared<dtrain::DataParallel>(module, comm_, o);
       details =
           fmt::format(", comm hook {}, buckets {} MiB", to_string(c_.comm_hook), c_.bucket_mb);
       break;

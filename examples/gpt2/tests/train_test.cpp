@@ -211,13 +211,17 @@ TEST_F(TrainerTest, DdpMatchesSingleOnTheGlobalBatch) {
   EXPECT_EQ(ddp.steps.back().at("world_size"), 2);
 }
 
-TEST_F(TrainerTest, DdpWithGradientAccumulationMatchesSingle) {
+TEST_F(TrainerTest, GradientAccumulationUnderDdpAndFsdpMatchesSingle) {
   // 2 ranks x 2 micro-batches of 1 sequence = the same 4 sequences per step.
   RunResult ddp = run_trainer("ddp_accum", with(common_args(), {"--strategy=ddp", "--nproc=2",
                                                                 "--batch=1", "--grad_accum=2"}));
   RunResult single = run_trainer(
       "single_accum", with(common_args(), {"--strategy=single", "--batch=2", "--grad_accum=2"}));
   expect_same_curve(single, ddp, kFp32Tolerance);
+  // FSDP reduces each unit once per step, after accumulating unsharded gradients.
+  RunResult fsdp = run_trainer("fsdp_accum", with(common_args(), {"--strategy=fsdp", "--nproc=2",
+                                                                  "--batch=1", "--grad_accum=2"}));
+  expect_same_curve(single, fsdp, kFp32Tolerance);
 }
 
 TEST_F(TrainerTest, DdpParameterServerHookMatchesSingle) {
