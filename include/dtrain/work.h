@@ -48,9 +48,12 @@ class Work {
 using WorkPtr = std::shared_ptr<Work>;
 
 // A Work that completes when `work` completes and `continuation` has run. The continuation
-// runs once, on the thread that first waits (or polls is_completed() to true), after the
-// inner work succeeded; its exception becomes the Work's failure. Throws InvalidArgument if
-// `work` is null.
+// runs once, after the inner work succeeded, on the first thread that calls wait() (or
+// synchronize()); its exception becomes the Work's failure. is_completed() and exception()
+// never run it and never wait for a thread running it: the Work completes when the
+// continuation has run, or as soon as the inner work failed (the continuation then never
+// runs). So a successful one must be waited for; polling alone never completes it. Throws
+// InvalidArgument if `work` is null.
 WorkPtr then(WorkPtr work, std::function<void()> continuation);
 
 }  // namespace dtrain

@@ -184,46 +184,155 @@ TEST(DataParallelBuckets, AssignmentRespectsCapsDtypesAndOrder) {
   EXPECT_THROW(assign_buckets({7}, bytes, dtype, 100, 500), InvalidArgument);
 }
 
-TEST(DataParallelBuckets, LaunchesInOrderAndRebuildsIdenticallyOnEveryRank) {
+// Four 4x4 matrices applied as a chain in an order each rank chooses. A parameter's gradient
+// is ready when backward reaches its use, so gradients become ready in the reverse of the use
+// order: ranks with different orders see different ready orders.
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() {
+    for (int i = 0; i < 4; ++i) {
+      w.push_back(register_parameter("w" + std::to_string(i), at::randn({4, 4}) * 0.5));
+    }
+  }
+  at::Tensor forward(at::Tensor h, const std::vector<int>& use_order) {
+    for (int i : use_order) h = at::tanh(h.mm(w[i]));
+    return h;
+  }
+  std::vector<at::Tensor> w;
+};
+TORCH_MODULE(Chain);
+
+// Averages like the default hook and logs what each bucket holds as it is issued ("b0:w3"),
+// and whether backward had already reached the model's input by then.
+class LoggingHook : public CommHook {
+ public:
+  LoggingHook(Chain chain, const std::atomic<bool>* input_reached)
+      : chain_(std::move(chain)), input_reached_(input_reached) {}
+  WorkPtr run(Communicator& comm, GradBucket& b) override {
+    std::string entry = "b" + std::to_string(b.index) + ":";
+    for (const at::Tensor& p : b.parameters) {
+      for (size_t i = 0; i < chain_->w.size(); ++i) {
+        if (p.is_same(chain_->w[i])) entry += "w" + std::to_string(i);
+      }
+    }
+    log.push_back(entry);
+    issued_after_backward.push_back(input_reached_->load());
+    return comm.all_reduce(b.buffer, ReduceOp::kAvg);
+  }
+  std::string name() const override { return "logging_average"; }
+
+  std::vector<std::string> log;
+  std::vector<bool> issued_after_backward;
+
+ private:
+  Chain chain_;
+  const std::atomic<bool>* input_reached_;
+};
+
+// Each of the chain's 64-byte parameters in a bucket of its own.
+DataParallelOptions one_parameter_per_bucket(std::shared_ptr<CommHook> hook) {
+  DataParallelOptions o;
+  o.bucket_cap_mb = o.first_bucket_cap_mb = 64.0 / (1 << 20);
+  o.comm_hook = std::move(hook);
+  return o;
+}
+
+// One training step of the chain under `ddp`, using the matrices in `use_order`; sets
+// `input_reached` when backward reaches the input (the end of backward).
+void chain_step(DataParallel& ddp, Chain& chain, const std::vector<int>& use_order, int rank,
+                std::atomic<bool>& input_reached) {
+  input_reached = false;
+  at::Tensor x = (at::arange(8, at::kFloat).view({2, 4}) * 0.1 * (rank + 1)).requires_grad_(true);
+  x.register_hook([&input_reached](const at::Tensor&) { input_reached = true; });
+  at::Tensor loss = ddp.forward([&] { return chain->forward(x, use_order).sum(); });
+  ddp.backward(loss);
+}
+
+std::vector<at::Tensor> grads(const Chain& chain) {
+  std::vector<at::Tensor> g;
+  for (const auto& w : chain->w) g.push_back(w.grad().clone());
+  return g;
+}
+
+void expect_same_grads(const std::vector<std::vector<at::Tensor>>& per_rank) {
+  for (size_t r = 1; r < per_rank.size(); ++r) {
+    for (size_t i = 0; i < per_rank[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(per_rank[r][i], per_rank[0][i]))
+          << "w" << i << "'s averaged gradient differs between rank 0 and rank " << r;
+    }
+  }
+}
+
+// Whatever order gradients become ready in on each rank, every rank issues the buckets in
+// bucket order (else ranks would reduce different parameters together), and a bucket whose
+// gradients are ready goes out while backward still runs.
+TEST(DataParallelBuckets, IssuedInBucketOrderWhateverOrderGradientsBecomeReady) {
   at::set_num_threads(1);
   const int world = 3;
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (int r = 0; r < world; ++r) modules.push_back(make_model(Model::kTransformer, 7));
-  const auto data = make_data(Model::kTransformer, world);
-  std::mutex mu;
-  std::vector<std::vector<std::vector<size_t>>> assignments(world);
+  // Ready orders: rank 0 w3 w2 w1 w0 (the bucket order), rank 1 the reverse, rank 2 mixed.
+  const std::vector<std::vector<int>> use_order = {{0, 1, 2, 3}, {3, 2, 1, 0}, {1, 3, 0, 2}};
+  std::vector<std::vector<std::string>> logs(world);
+  std::vector<std::vector<bool>> late(world);
+  std::vector<std::vector<at::Tensor>> reduced(world);
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
-    DataParallelOptions o;
-    o.bucket_cap_mb = 0.004;
-    o.first_bucket_cap_mb = 0.001;
-    DataParallel ddp(modules[r], std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
-    auto& tf = static_cast<testing::TinyTransformerImpl&>(*modules[r]);
-    for (int s = 0; s < 3; ++s) {
-      at::Tensor x = data[s].x.narrow(0, r * kLocalBatch, kLocalBatch);
-      at::Tensor y = data[s].y.narrow(0, r * kLocalBatch, kLocalBatch);
-      at::Tensor l = ddp.forward([&] {
-        at::Tensor logits = tf.forward(x);
-        return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-      });
-      ddp.backward(l);
-      const auto order = ddp.last_launch_order();
-      const size_t n = ddp.bucket_assignment().size();
-      DTRAIN_CHECK(n > 3, "expected several buckets, got {}", n);
-      DTRAIN_CHECK(order.size() == n, "launched {} of {} buckets", order.size(), n);
-      for (size_t k = 0; k < n; ++k) DTRAIN_CHECK(order[k] == static_cast<int>(k), "order");
-      const auto& st = ddp.last_step_stats();
-      DTRAIN_CHECK(st.num_collectives == static_cast<int64_t>(n), "stats count");
-      int64_t param_bytes = 0;
-      for (const auto& p : modules[r]->parameters()) param_bytes += p.numel() * 4;
-      DTRAIN_CHECK(st.bytes_communicated == param_bytes, "bytes {} vs {}", st.bytes_communicated,
-                   param_bytes);
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    assignments[r] = ddp.bucket_assignment();
+    Chain chain;
+    std::atomic<bool> input_reached{false};
+    auto hook = std::make_shared<LoggingHook>(chain, &input_reached);
+    DataParallelOptions o = one_parameter_per_bucket(hook);
+    o.rebuild_buckets = false;
+    DataParallel ddp(chain.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+    chain_step(ddp, chain, use_order[r], r, input_reached);
+    const auto& st = ddp.last_step_stats();
+    DTRAIN_CHECK(st.num_collectives == 4, "{} collectives", st.num_collectives);
+    DTRAIN_CHECK(st.bytes_communicated == 4 * 64, "{} bytes", st.bytes_communicated);
+    logs[r] = hook->log;
+    late[r] = hook->issued_after_backward;
+    reduced[r] = grads(chain);
   });
-  EXPECT_EQ(assignments[0], assignments[1]);
-  EXPECT_EQ(assignments[0], assignments[2]);
+  const std::vector<std::string> want = {"b0:w3", "b1:w2", "b2:w1", "b3:w0"};
+  for (int r = 0; r < world; ++r) EXPECT_EQ(logs[r], want) << "rank " << r;
+  // Rank 0's gradients are ready in bucket order: its first bucket overlaps backward.
+  ASSERT_FALSE(late[0].empty());
+  EXPECT_FALSE(late[0][0]) << "rank 0 issued its first bucket only after backward";
+  expect_same_grads(reduced);
+}
+
+// After the first step the buckets are rebuilt in the order gradients became ready on rank
+// 0, broadcast so that every rank builds the same buckets although its own order differs;
+// the next step issues and reduces the rebuilt buckets.
+TEST(DataParallelBuckets, RebuildUsesRankZerosReadyOrderOnEveryRank) {
+  at::set_num_threads(1);
+  const int world = 3;
+  // Ready orders: rank 0 w2 w0 w3 w1, rank 1 w3 w2 w1 w0 (the initial buckets), rank 2 w0 w1
+  // w2 w3.
+  const std::vector<std::vector<int>> use_order = {{1, 3, 0, 2}, {0, 1, 2, 3}, {3, 2, 1, 0}};
+  using Assignment = std::vector<std::vector<size_t>>;
+  std::vector<Assignment> before(world), after(world);
+  std::vector<std::vector<std::string>> logs(world);
+  std::vector<std::vector<at::Tensor>> reduced(world);
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    Chain chain;
+    std::atomic<bool> input_reached{false};
+    auto hook = std::make_shared<LoggingHook>(chain, &input_reached);
+    DataParallel ddp(chain.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}),
+                     one_parameter_per_bucket(hook));
+    chain_step(ddp, chain, use_order[r], r, input_reached);
+    before[r] = ddp.bucket_assignment();
+    hook->log.clear();
+    chain_step(ddp, chain, use_order[r], r, input_reached);
+    after[r] = ddp.bucket_assignment();
+    logs[r] = hook->log;
+    reduced[r] = grads(chain);
+  });
+  const Assignment initial = {{3}, {2}, {1}, {0}}, rank0_ready = {{2}, {0}, {3}, {1}};
+  const std::vector<std::string> want = {"b0:w2", "b1:w0", "b2:w3", "b3:w1"};
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(before[r], initial) << "rank " << r;
+    EXPECT_EQ(after[r], rank0_ready) << "rank " << r;
+    EXPECT_EQ(logs[r], want) << "rank " << r;
+  }
+  expect_same_grads(reduced);
 }
 
 }  // namespace
