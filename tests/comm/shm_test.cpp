@@ -1,7 +1,9 @@
-// The shared-memory transport: the collectives matrix (every op x dtype x world size x size,
-// with chunks small enough that calls take many), selection (automatic, forced, refused),
-// the consistency check, and failures: a silent peer, a peer that leaves, a killed process,
-// a stale segment under the name a job would use, nothing left in /dev/shm.
+// The shared-memory transport (its part of the collectives matrix is in collectives_test):
+// the matrix with chunks small enough that calls take many, bit-exact rank-order reductions,
+// the hierarchical transport over fake hosts, selection (automatic, forced, refused),
+// the consistency check, and failures: a failed send, a killed process, a stale segment
+// under the name a job would use, nothing left in /dev/shm (a silent peer and a peer that
+// leaves: collectives_test, for every transport).
 #include <ATen/ATen.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -24,55 +26,13 @@
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
 #include "support/check.h"
-#include "support/expected_values.h"
+#include "support/collective_matrix.h"
 #include "support/ranks.h"
 
 namespace dtrain {
 namespace {
 
-using testing::reduce_expected;
-using testing::run_ranks;
-using testing::tolerance;
-using testing::value;
-
-at::Tensor make_input(c10::ScalarType dtype, int64_t n, int rank) {
-  at::Tensor t = at::empty({n}, at::kDouble);
-  auto* p = t.data_ptr<double>();
-  for (int64_t i = 0; i < n; ++i) p[i] = value(rank, i);
-  return t.to(dtype);
-}
-
-void expect_values(const at::Tensor& got, const std::function<double(int64_t)>& want,
-                   const std::string& what) {
-  at::Tensor d = got.to(at::kDouble).contiguous();
-  const double* p = d.data_ptr<double>();
-  const double tol = tolerance(got.scalar_type());
-  for (int64_t i = 0; i < d.numel(); ++i) {
-    const double w = want(i);
-    DTRAIN_CHECK(std::abs(p[i] - w) <= tol * std::max(1.0, std::abs(w)),
-                 "{}: element {} is {}, expected {}", what, i, p[i], w);
-  }
-}
-
-const std::vector<c10::ScalarType> kAllDtypes = {at::kFloat,    at::kDouble, at::kHalf,
-                                                 at::kBFloat16, at::kByte,   at::kChar,
-                                                 at::kShort,    at::kInt,    at::kLong};
-
-std::vector<int64_t> sizes_for(c10::ScalarType dtype) {
-  std::vector<int64_t> s = {0, 1, 7, 1001};
-  if (dtype == at::kFloat || dtype == at::kBFloat16) s.push_back(3 * 512 * 1024 + 3);
-  return s;
-}
-
-std::vector<ReduceOp> ops_for(c10::ScalarType dtype) {
-  std::vector<ReduceOp> ops = {ReduceOp::kSum, ReduceOp::kMin, ReduceOp::kMax};
-  if (c10::isFloatingType(dtype)) ops.push_back(ReduceOp::kAvg);
-  return ops;
-}
-
-std::string label(const char* op, c10::ScalarType dtype, int64_t n, int rank) {
-  return fmt::format("{} {} n={} rank {}", op, c10::toString(dtype), n, rank);
-}
+using namespace dtrain::testing;
 
 CommunicatorOptions shm_options(size_t chunk_bytes = 1u << 20) {
   CommunicatorOptions o;
@@ -86,60 +46,16 @@ void require_transport(const Communicator& c, const std::string& name) {
                name);
 }
 
-// Every collective for every dtype, reduction and size; `sizes` overrides sizes_for.
-void run_matrix(Communicator& c, const std::vector<int64_t>& sizes, const std::string& tag,
-                const std::string& transport = "shared_memory") {
-  require_transport(c, transport);
-  const int world = c.world_size();
-  const int root = world - 1;
-  for (auto dtype : kAllDtypes) {
-    for (int64_t n : sizes.empty() ? sizes_for(dtype) : sizes) {
-      for (ReduceOp op : ops_for(dtype)) {
-        const std::string what = tag + " " + to_string(op);
-        at::Tensor t = make_input(dtype, n, c.rank());
-        c.all_reduce(t, op)->wait();
-        expect_values(
-            t, [&](int64_t i) { return reduce_expected(op, world, i); },
-            label("all_reduce", dtype, n, c.rank()) + what);
-        at::Tensor in = make_input(dtype, n * world, c.rank());
-        at::Tensor before = in.clone();
-        at::Tensor out = at::full({n}, -1, dtype);
-        c.reduce_scatter(out, in, op)->wait();
-        const int64_t base = c.rank() * n;
-        expect_values(
-            out, [&](int64_t i) { return reduce_expected(op, world, base + i); },
-            label("reduce_scatter", dtype, n, c.rank()) + what);
-        DTRAIN_CHECK(at::equal(in, before), "reduce_scatter modified its input");
-      }
-      at::Tensor b = c.rank() == root ? make_input(dtype, n, root) : at::zeros({n}, dtype);
-      c.broadcast(b, root)->wait();
-      expect_values(
-          b, [&](int64_t i) { return value(root, i); }, label("broadcast", dtype, n, c.rank()) + tag);
-      at::Tensor in = make_input(dtype, n, c.rank());
-      at::Tensor out = at::full({n * world}, -1, dtype);
-      c.all_gather(out, in)->wait();
-      auto want = [&](int64_t j) { return value(static_cast<int>(j / n), j % n); };
-      expect_values(out, want, label("all_gather", dtype, n, c.rank()) + tag);
-      at::Tensor flat = at::zeros({n * world}, dtype);
-      flat.narrow(0, c.rank() * n, n).copy_(in);
-      c.all_gather(flat, flat.narrow(0, c.rank() * n, n))->wait();
-      expect_values(flat, want, label("all_gather(in place)", dtype, n, c.rank()) + tag);
-    }
-  }
-  c.barrier()->wait();
-}
-
 class ShmCollectives : public ::testing::TestWithParam<int> {};
-
-TEST_P(ShmCollectives, EveryOpDtypeAndSize) {
-  run_ranks(GetParam(), [&](Communicator& c) { run_matrix(c, {}, ""); }, shm_options());
-}
 
 // 64-byte buffers: every call takes many chunks, slices of a chunk are uneven or empty, and
 // buffer sets alternate across calls.
 TEST_P(ShmCollectives, TinyChunks) {
   run_ranks(
-      GetParam(), [&](Communicator& c) { run_matrix(c, {1, 7, 33, 1001}, " (64 B chunks)"); },
+      GetParam(),
+      [&](Communicator& c) {
+        run_collective_matrix(c, "shared_memory", {1, 7, 33, 1001}, " (64 B chunks)");
+      },
       shm_options(64));
 }
 
@@ -178,25 +94,12 @@ void run_fake_hosts(const std::vector<std::string>& hosts,
                     const std::function<void(Communicator&)>& fn, const CommunicatorOptions& o) {
   auto store = make_memory_store();
   const int world = static_cast<int>(hosts.size());
-  std::mutex mu;
-  std::exception_ptr first;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto failure = std::make_shared<detail::StickyFailure>();
-        auto t = shm::make_host_transport(store, r, world, o, failure,
-                                          hosts[static_cast<size_t>(r)]);
-        detail::FrontEnd comm(r, world, o, failure, std::move(t));
-        fn(comm);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first) first = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+  run_threads(world, [&](int r) {
+    auto failure = std::make_shared<detail::StickyFailure>();
+    auto t = shm::make_host_transport(store, r, world, o, failure, hosts[static_cast<size_t>(r)]);
+    detail::FrontEnd comm(r, world, o, failure, std::move(t));
+    fn(comm);
+  });
 }
 
 class ShmHierarchical : public ::testing::TestWithParam<std::vector<std::string>> {};
@@ -206,7 +109,7 @@ TEST_P(ShmHierarchical, EveryOpDtypeAndSize) {
   o.transport = Transport::kAuto;
   if (GetParam().size() == 2) o.transport = Transport::kSharedMemory;  // one rank per host
   run_fake_hosts(
-      GetParam(), [&](Communicator& c) { run_matrix(c, {0, 1, 7, 1001}, "", "hierarchical"); },
+      GetParam(), [&](Communicator& c) { run_collective_matrix(c, "hierarchical", {0, 1, 7, 1001}); },
       o);
 }
 
@@ -349,71 +252,6 @@ TEST(ShmFailure, DifferentSizesGiveDesyncErrorOnEveryRank) {
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
-TEST(ShmFailure, SilentPeerTimesOutNamingItAndTheErrorSticks) {
-  CommunicatorOptions o = shm_options();
-  o.timeout = std::chrono::milliseconds(800);
-  run_ranks(
-      3,
-      [&](Communicator& c) {
-        if (c.rank() == 2) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-          return;
-        }
-        at::Tensor t = at::ones({1 << 20});
-        const auto start = std::chrono::steady_clock::now();
-        try {
-          c.all_reduce(t)->wait();
-          DTRAIN_CHECK(false, "no timeout");
-        } catch (const TimeoutError& e) {
-          const std::string m = e.what();
-          DTRAIN_CHECK(m.find(fmt::format("rank {}/3 all_reduce #0", c.rank())) != std::string::npos &&
-                           m.find("rank(s) 2 did not issue collective #0 within 800 ms") !=
-                               std::string::npos,
-                       "{}", m);
-        } catch (const CommError& e) {
-          // The other waiting rank may see the first one fail before its own deadline.
-          DTRAIN_CHECK(std::string(e.what()).find("failed (its communicator broke)") !=
-                           std::string::npos,
-                       "{}", e.what());
-        }
-        DTRAIN_CHECK(seconds_since(start) < 2 * 0.8, "took {} s", seconds_since(start));
-        try {
-          c.barrier()->wait();
-          DTRAIN_CHECK(false, "barrier on a broken communicator succeeded");
-        } catch (const CommError& e) {
-          DTRAIN_CHECK(std::string(e.what()).find("failed earlier, at all_reduce #0") !=
-                           std::string::npos,
-                       "{}", e.what());
-        }
-      },
-      o);
-}
-
-TEST(ShmFailure, PeerThatLeavesMakesOthersFailAtOnce) {
-  CommunicatorOptions o = shm_options();
-  o.timeout = std::chrono::milliseconds(20000);
-  auto store = make_memory_store();
-  std::string error;
-  double elapsed = 0;
-  std::thread leaver([&] { make_communicator(store, 1, 2, o); });
-  std::thread stayer([&] {
-    auto c = make_communicator(store, 0, 2, o);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      at::Tensor t = at::ones({1024});
-      c->all_reduce(t)->wait();
-    } catch (const CommError& e) {
-      error = e.what();
-    }
-    elapsed = seconds_since(start);
-  });
-  leaver.join();
-  stayer.join();
-  EXPECT_NE(error.find("rank 1 left: its communicator was destroyed"), std::string::npos) << error;
-  EXPECT_LT(elapsed, 1.0);
 }
 
 // A failed send breaks rank 0's communicator: rank 1, waiting in a collective for it with a

@@ -47,6 +47,15 @@ TcpStoreOptions server_options() {
   return o;
 }
 
+// A server with small bounds, so that oversized frames, keys and values are cheap to send.
+TcpStoreOptions small_bounds() {
+  TcpStoreOptions o = server_options();
+  o.max_key_bytes = 64;
+  o.max_value_bytes = 1024;
+  o.max_unread_reply_bytes = 4096;
+  return o;
+}
+
 TcpStoreOptions client_of(TcpStoreOptions o) {
   o.is_server = false;
   return o;
@@ -144,10 +153,7 @@ TEST(StoreHostile, AddOnANonNumberFailsThatCallAndTheServerKeepsServing) {
 }
 
 TEST(StoreHostile, OversizedFrameIsRefusedAndClosesOnlyThatClient) {
-  TcpStoreOptions o = server_options();
-  o.max_key_bytes = 64;
-  o.max_value_bytes = 1024;
-  o.max_unread_reply_bytes = 4096;
+  TcpStoreOptions o = small_bounds();
   auto server = make_tcp_store(o);
   RawClient raw(o.port);
   raw.hello();
@@ -171,10 +177,7 @@ TEST(StoreHostile, OversizedFrameIsRefusedAndClosesOnlyThatClient) {
 }
 
 TEST(StoreHostile, OversizedKeyOrValueIsAnErrorReplyAndTheClientGoesOn) {
-  TcpStoreOptions o = server_options();
-  o.max_key_bytes = 64;
-  o.max_value_bytes = 1024;
-  o.max_unread_reply_bytes = 4096;
+  TcpStoreOptions o = small_bounds();
   auto server = make_tcp_store(o);
   RawClient raw(o.port);
   raw.hello();

@@ -21,17 +21,14 @@
 
 namespace dtrain::testing {
 
-void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,
-               CommunicatorOptions options) {
-  auto store = make_memory_store();
+void run_threads(int world_size, const std::function<void(int rank)>& fn) {
   std::mutex mu;
   std::exception_ptr first;
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto comm = make_communicator(store, r, world_size, options);
-        fn(*comm);
+        fn(r);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         if (!first) first = std::current_exception();
@@ -40,6 +37,15 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,
   }
   for (auto& t : threads) t.join();
   if (first) std::rethrow_exception(first);
+}
+
+void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,
+               CommunicatorOptions options) {
+  auto store = make_memory_store();
+  run_threads(world_size, [&](int r) {
+    auto comm = make_communicator(store, r, world_size, options);
+    fn(*comm);
+  });
 }
 
 Process spawn_process(const std::vector<std::string>& argv,

@@ -13,7 +13,11 @@
 
 namespace dtrain::testing {
 
-// Runs fn(comm) on world_size threads, each with its own Gloo communicator. Waits for all,
+// Runs fn(rank) on world_size threads. Waits for all, then rethrows the first exception.
+void run_threads(int world_size, const std::function<void(int rank)>& fn);
+
+// Runs fn(comm) on world_size threads, each with its own communicator (`options`: which
+// transport, timeouts) over one in-memory store. Waits for all,
 // then rethrows the first exception. Checks inside fn must throw (not ASSERT_*), so that a
 // failing rank cannot leave its peers blocked: they time out instead.
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn,

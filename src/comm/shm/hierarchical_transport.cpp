@@ -4,11 +4,11 @@
 
 #include <fmt/format.h>
 
-#include "comm/cpu_work.h"
 #include "comm/gloo/gloo_transport.h"
 #include "comm/gloo/reduce_ops.h"
 #include "comm/shm/algorithms.h"
 #include "comm/shm/barrier.h"
+#include "comm/shm/call_runner.h"
 #include "comm/shm/setup.h"
 
 namespace dtrain::shm {
@@ -16,7 +16,6 @@ namespace {
 
 using detail::Collective;
 using detail::CollectiveOp;
-using detail::CpuWork;
 using detail::PointToPoint;
 
 CommunicatorOptions renamed(CommunicatorOptions o, const std::string& suffix) {
@@ -37,21 +36,13 @@ class HierarchicalTransport final : public detail::Transport {
         failure_(std::move(failure)),
         p2p_(std::move(p2p)),
         segment_(join(options)),
-        barrier_(segment_, layout_.local, layout_.hosts[static_cast<size_t>(layout_.host)]) {
-    if (layout_.local == 0) {
-      leaders_ = gloo_backend::make_gloo_transport(
-          store_, layout_.host, static_cast<int>(layout_.hosts.size()),
-          renamed(options, "/leaders"), failure_);
-    }
-    p2p_waiter_ = std::make_unique<detail::SerialExecutor>();
-    executor_ = std::make_unique<detail::SerialExecutor>();
-  }
-
-  ~HierarchicalTransport() override {
-    executor_.reset();
-    p2p_waiter_.reset();
-    barrier_.set_state(RankState::kLeft);
-  }
+        barrier_(segment_, layout_.local, layout_.hosts[static_cast<size_t>(layout_.host)]),
+        leaders_(layout_.local == 0 ? gloo_backend::make_gloo_transport(
+                                          store_, layout_.host,
+                                          static_cast<int>(layout_.hosts.size()),
+                                          renamed(options, "/leaders"), failure_)
+                                    : nullptr),
+        calls_(barrier_, *failure_, *p2p_, [this](const Collective& call) { run(call); }) {}
 
   Backend backend() const override { return Backend::kGloo; }
   const char* name() const override { return "hierarchical"; }
@@ -60,44 +51,8 @@ class HierarchicalTransport final : public detail::Transport {
   }
   void check_call(const Collective& call) const override { p2p_->check_call(call); }
 
-  WorkPtr start(Collective call) override {
-    std::vector<at::Tensor> keep{call.tensor, call.input};
-    auto work = std::make_shared<CpuWork>(static_cast<uint64_t>(call.context.sequence),
-                                          call.context.op, call.context,
-                                          detail::host_wait_bound(call.timeout), std::move(keep));
-    executor_->submit([this, work, call = std::move(call)] {
-      work->finish(failure_->run(call.context, [&] {
-        try {
-          run(call);
-        } catch (...) {
-          barrier_.set_state(RankState::kFailed);
-          throw;
-        }
-      }));
-    });
-    return work;
-  }
-
-  WorkPtr start(PointToPoint call) override {
-    auto work = std::make_shared<CpuWork>(
-        static_cast<uint64_t>(call.context.sequence), call.context.op, call.context,
-        detail::host_wait_bound(call.timeout), std::vector<at::Tensor>{call.tensor});
-    executor_->submit([this, work, call = std::move(call)]() mutable {
-      WorkPtr inner = p2p_->start(std::move(call));
-      p2p_waiter_->submit([this, work, inner] {
-        try {
-          inner->wait();
-          work->finish();
-        } catch (...) {
-          // The communicator is broken (sticky): peers waiting in a collective for this rank
-          // learn it now instead of at their timeout.
-          barrier_.set_state(RankState::kFailed);
-          work->finish(std::current_exception());
-        }
-      });
-    });
-    return work;
-  }
+  WorkPtr start(Collective call) override { return calls_.start(std::move(call)); }
+  WorkPtr start(PointToPoint call) override { return calls_.start(std::move(call)); }
 
  private:
   Segment join(const CommunicatorOptions& options) {
@@ -225,9 +180,7 @@ class HierarchicalTransport final : public detail::Transport {
   Barrier barrier_;
   std::unique_ptr<detail::Transport> leaders_;  // local index 0 only
   uint64_t sets_used_ = 0;                      // executor thread only
-
-  std::unique_ptr<detail::SerialExecutor> p2p_waiter_;
-  std::unique_ptr<detail::SerialExecutor> executor_;
+  CallRunner calls_;                            // last: destroyed first, see call_runner.h
 };
 
 }  // namespace

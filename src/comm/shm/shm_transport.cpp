@@ -7,10 +7,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "comm/cpu_work.h"
 #include "comm/gloo/reduce_ops.h"
 #include "comm/shm/algorithms.h"
 #include "comm/shm/barrier.h"
+#include "comm/shm/call_runner.h"
 #include "comm/shm/host.h"
 #include "comm/shm/segment.h"
 
@@ -19,7 +19,6 @@ namespace {
 
 using detail::Collective;
 using detail::CollectiveOp;
-using detail::CpuWork;
 using detail::PointToPoint;
 
 class ShmTransport final : public detail::Transport {
@@ -34,15 +33,7 @@ class ShmTransport final : public detail::Transport {
         p2p_(std::move(p2p)),
         segment_(std::move(segment)),
         barrier_(segment_, rank),
-        p2p_waiter_(std::make_unique<detail::SerialExecutor>()),
-        executor_(std::make_unique<detail::SerialExecutor>()) {}
-
-  ~ShmTransport() override {
-    executor_.reset();
-    p2p_waiter_.reset();
-    // Peers that wait for this rank from now on fail at once instead of at their timeout.
-    barrier_.set_state(RankState::kLeft);
-  }
+        calls_(barrier_, *failure_, *p2p_, [this](const Collective& call) { run(call); }) {}
 
   Backend backend() const override { return Backend::kGloo; }
   const char* name() const override { return "shared_memory"; }
@@ -51,46 +42,8 @@ class ShmTransport final : public detail::Transport {
   }
   void check_call(const Collective& call) const override { p2p_->check_call(call); }
 
-  WorkPtr start(Collective call) override {
-    std::vector<at::Tensor> keep{call.tensor, call.input};
-    auto work = std::make_shared<CpuWork>(static_cast<uint64_t>(call.context.sequence),
-                                          call.context.op, call.context,
-                                          detail::host_wait_bound(call.timeout), std::move(keep));
-    executor_->submit([this, work, call = std::move(call)] {
-      work->finish(failure_->run(call.context, [&] {
-        try {
-          run(call);
-        } catch (...) {
-          barrier_.set_state(RankState::kFailed);
-          throw;
-        }
-      }));
-    });
-    return work;
-  }
-
-  // Posted from the executor, after the collectives issued before it, then completed on a
-  // second thread, as the Gloo transport does.
-  WorkPtr start(PointToPoint call) override {
-    auto work = std::make_shared<CpuWork>(
-        static_cast<uint64_t>(call.context.sequence), call.context.op, call.context,
-        detail::host_wait_bound(call.timeout), std::vector<at::Tensor>{call.tensor});
-    executor_->submit([this, work, call = std::move(call)]() mutable {
-      WorkPtr inner = p2p_->start(std::move(call));
-      p2p_waiter_->submit([this, work, inner] {
-        try {
-          inner->wait();
-          work->finish();
-        } catch (...) {
-          // The communicator is broken (sticky): peers waiting in a collective for this rank
-          // learn it now instead of at their timeout.
-          barrier_.set_state(RankState::kFailed);
-          work->finish(std::current_exception());
-        }
-      });
-    });
-    return work;
-  }
+  WorkPtr start(Collective call) override { return calls_.start(std::move(call)); }
+  WorkPtr start(PointToPoint call) override { return calls_.start(std::move(call)); }
 
  private:
   // Executor thread: the header check, then the data. Throws on failure.
@@ -131,10 +84,7 @@ class ShmTransport final : public detail::Transport {
   Segment segment_;
   Barrier barrier_;
   uint64_t sets_used_ = 0;  // executor thread only
-
-  // Declared last: destroyed first, so queued calls finish while members above live.
-  std::unique_ptr<detail::SerialExecutor> p2p_waiter_;
-  std::unique_ptr<detail::SerialExecutor> executor_;
+  CallRunner calls_;        // last: destroyed first, see call_runner.h
 };
 
 }  // namespace
