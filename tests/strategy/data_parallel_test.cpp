@@ -228,24 +228,38 @@ class LoggingHook : public CommHook {
   const std::atomic<bool>* input_reached_;
 };
 
-// Each of the chain's 64-byte parameters in a bucket of its own.
-DataParallelOptions one_parameter_per_bucket(std::shared_ptr<CommHook> hook) {
-  DataParallelOptions o;
-  o.bucket_cap_mb = o.first_bucket_cap_mb = 64.0 / (1 << 20);
-  o.comm_hook = std::move(hook);
-  return o;
-}
+// One rank of the chain tests: the model, DataParallel over it with every 64-byte parameter
+// in a bucket of its own, and the logging hook.
+struct ChainRank {
+  ChainRank(Communicator& comm, bool rebuild_buckets)
+      : hook(std::make_shared<LoggingHook>(chain, &input_reached)),
+        ddp(chain.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}),
+            options(hook, rebuild_buckets)) {}
 
-// One training step of the chain under `ddp`, using the matrices in `use_order`; sets
-// `input_reached` when backward reaches the input (the end of backward).
-void chain_step(DataParallel& ddp, Chain& chain, const std::vector<int>& use_order, int rank,
-                std::atomic<bool>& input_reached) {
-  input_reached = false;
-  at::Tensor x = (at::arange(8, at::kFloat).view({2, 4}) * 0.1 * (rank + 1)).requires_grad_(true);
-  x.register_hook([&input_reached](const at::Tensor&) { input_reached = true; });
-  at::Tensor loss = ddp.forward([&] { return chain->forward(x, use_order).sum(); });
-  ddp.backward(loss);
-}
+  static DataParallelOptions options(std::shared_ptr<CommHook> hook, bool rebuild_buckets) {
+    DataParallelOptions o;
+    o.bucket_cap_mb = o.first_bucket_cap_mb = 64.0 / (1 << 20);
+    o.comm_hook = std::move(hook);
+    o.rebuild_buckets = rebuild_buckets;
+    return o;
+  }
+
+  // One training step using the matrices in `use_order`; `input_reached` turns true when
+  // backward reaches the input (the end of backward).
+  void step(const std::vector<int>& use_order, int rank) {
+    input_reached = false;
+    at::Tensor x =
+        (at::arange(8, at::kFloat).view({2, 4}) * 0.1 * (rank + 1)).requires_grad_(true);
+    x.register_hook([this](const at::Tensor&) { input_reached = true; });
+    at::Tensor loss = ddp.forward([&] { return chain->forward(x, use_order).sum(); });
+    ddp.backward(loss);
+  }
+
+  Chain chain;
+  std::atomic<bool> input_reached{false};
+  std::shared_ptr<LoggingHook> hook;
+  DataParallel ddp;
+};
 
 std::vector<at::Tensor> grads(const Chain& chain) {
   std::vector<at::Tensor> g;
@@ -275,19 +289,14 @@ TEST(DataParallelBuckets, IssuedInBucketOrderWhateverOrderGradientsBecomeReady) 
   std::vector<std::vector<at::Tensor>> reduced(world);
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
-    Chain chain;
-    std::atomic<bool> input_reached{false};
-    auto hook = std::make_shared<LoggingHook>(chain, &input_reached);
-    DataParallelOptions o = one_parameter_per_bucket(hook);
-    o.rebuild_buckets = false;
-    DataParallel ddp(chain.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
-    chain_step(ddp, chain, use_order[r], r, input_reached);
-    const auto& st = ddp.last_step_stats();
+    ChainRank me(comm, /*rebuild_buckets=*/false);
+    me.step(use_order[r], r);
+    const auto& st = me.ddp.last_step_stats();
     DTRAIN_CHECK(st.num_collectives == 4, "{} collectives", st.num_collectives);
     DTRAIN_CHECK(st.bytes_communicated == 4 * 64, "{} bytes", st.bytes_communicated);
-    logs[r] = hook->log;
-    late[r] = hook->issued_after_backward;
-    reduced[r] = grads(chain);
+    logs[r] = me.hook->log;
+    late[r] = me.hook->issued_after_backward;
+    reduced[r] = grads(me.chain);
   });
   const std::vector<std::string> want = {"b0:w3", "b1:w2", "b2:w1", "b3:w0"};
   for (int r = 0; r < world; ++r) EXPECT_EQ(logs[r], want) << "rank " << r;
@@ -312,18 +321,14 @@ TEST(DataParallelBuckets, RebuildUsesRankZerosReadyOrderOnEveryRank) {
   std::vector<std::vector<at::Tensor>> reduced(world);
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
-    Chain chain;
-    std::atomic<bool> input_reached{false};
-    auto hook = std::make_shared<LoggingHook>(chain, &input_reached);
-    DataParallel ddp(chain.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}),
-                     one_parameter_per_bucket(hook));
-    chain_step(ddp, chain, use_order[r], r, input_reached);
-    before[r] = ddp.bucket_assignment();
-    hook->log.clear();
-    chain_step(ddp, chain, use_order[r], r, input_reached);
-    after[r] = ddp.bucket_assignment();
-    logs[r] = hook->log;
-    reduced[r] = grads(chain);
+    ChainRank me(comm, /*rebuild_buckets=*/true);
+    me.step(use_order[r], r);
+    before[r] = me.ddp.bucket_assignment();
+    me.hook->log.clear();
+    me.step(use_order[r], r);
+    after[r] = me.ddp.bucket_assignment();
+    logs[r] = me.hook->log;
+    reduced[r] = grads(me.chain);
   });
   const Assignment initial = {{3}, {2}, {1}, {0}}, rank0_ready = {{2}, {0}, {3}, {1}};
   const std::vector<std::string> want = {"b0:w2", "b1:w0", "b2:w3", "b3:w1"};
