@@ -203,6 +203,8 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
         "backward", "its collectives may no longer match the other ranks'", std::current_exception()));
   }
   const auto wait_start = Clock::now();
+  // Waits inside complete() are part of the window measured below.
+  const double waited_before = s.stats().comm_wait_s;
   if (!failure) {
     try {
       s.complete();
@@ -224,7 +226,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
   s.keep_backward_log();
   s.accumulate();
   StepStats& stats = s.stats();
-  stats.comm_wait_s += std::chrono::duration<double>(done - wait_start).count();
+  stats.comm_wait_s = waited_before + std::chrono::duration<double>(done - wait_start).count();
   stats.comm_total_s = std::chrono::duration<double>(done - s.first_reduction()).count();
   s.reshard_all();  // includes prefetched-but-unused units
 }

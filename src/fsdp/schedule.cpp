@@ -165,6 +165,7 @@ void Schedule::end_forward(Communicator& world) {
 
 void Schedule::arm() {
   next_reduce_ = 0;
+  next_replicate_ = 0;
   for (auto& u : units_) u.arm();
   backward_log_.clear();
   in_backward_ = true;
@@ -201,6 +202,10 @@ void Schedule::launch_ready_reductions() {
       u.hold();
     }
     ++next_reduce_;
+    // Over replicas, as DDP does: this unit's all-reduce right away when there is nothing
+    // to wait for; otherwise the previous unit's, whose reduce-scatter ran while this
+    // unit's backward did. Positions only, so every rank issues the same order.
+    if (sync_ && comms_.replicate) replicate_until(sharded() ? next_reduce_ - 1 : next_reduce_);
     if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
         next_reduce_ < reduce_order_.size()) {
       prefetch(reduce_order_[next_reduce_], " (prefetch)");
@@ -213,8 +218,13 @@ void Schedule::flush() {
   launch_ready_reductions();
 }
 
+void Schedule::replicate_until(size_t end) {
+  for (; next_replicate_ < end; ++next_replicate_) units_[reduce_order_[next_replicate_]].replicate();
+}
+
 void Schedule::complete() {
   if (!sync_) return;
+  if (comms_.replicate) replicate_until(next_reduce_);
   for (int index : reduce_order_) units_[index].complete_reduction();
 }
 
@@ -274,6 +284,7 @@ void Schedule::reset() {
   armed_ = false;
   in_backward_ = false;
   next_reduce_ = 0;
+  next_replicate_ = 0;
   backward_log_.clear();
   for (auto& u : units_) u.reset();
 }

@@ -8,7 +8,10 @@
 //   backward   arm() at its start; a hook on each parameter's gradient accumulator counts the
 //              unit down, and reductions launch strictly in the agreed reverse order, so every
 //              rank issues the same collectives in the same order; flush() launches what got
-//              no gradient, complete() waits, accumulate() adds the shards' gradients. With
+//              no gradient, complete() waits, accumulate() adds the shards' gradients. Over
+//              replicas (NO_SHARD, HYBRID_SHARD) a unit's all-reduce is issued during backward
+//              too: at once without a shard group, else when the next unit's reduce-scatter
+//              is issued (its own had that unit's backward to finish). With
 //              gradient sync off, complete units are held (unsharded) instead of reduced, in
 //              the same order, and complete() / accumulate() have nothing to do.
 //   prefetch   BACKWARD_PRE gathers the next unit when a unit's backward starts, BACKWARD_POST
@@ -143,6 +146,8 @@ class Schedule final : private UnitObserver {
   // Launches (or holds, without sync) the reductions whose turn came and whose gradients
   // are complete.
   void launch_ready_reductions();
+  // Issues the replica all-reduces of the launched units before reduce_order_ position `end`.
+  void replicate_until(size_t end);
 
   // UnitObserver
   void issued(Collective kind, int unit, int64_t bytes) override;
@@ -165,6 +170,7 @@ class Schedule final : private UnitObserver {
   std::vector<char> ran_;
   std::vector<int> reduce_order_;
   size_t next_reduce_ = 0;
+  size_t next_replicate_ = 0;  // reduce_order_ position of the next unit to all-reduce
   bool armed_ = false;
   bool sync_ = true;
   Clock::time_point first_reduce_;

@@ -28,6 +28,7 @@ const char* Unit::name_of(GradState s) {
     case GradState::kAccumulating: return "ACCUMULATING";
     case GradState::kHeld: return "HELD";
     case GradState::kReducing: return "REDUCING";
+    case GradState::kReplicating: return "REPLICATING";
     case GradState::kReduced: return "REDUCED";
   }
   return "?";
@@ -182,16 +183,32 @@ void Unit::launch_reduction() {
   grad_ = GradState::kReducing;
 }
 
-void Unit::complete_reduction() {
-  expect("complete_reduction", GradState::kReducing);
-  c10::NoGradGuard no_grad;
-  if (reduce_work_) collective([&] { reduce_work_->wait(); });
-  reduce_work_.reset();
-  if (comms_->replicate) {
-    collective([&] { comms_->replicate->all_reduce(reduce_out_, ReduceOp::kAvg)->wait(); });
-    observer_->issued(Collective::kAllReduce, index_, static_cast<int64_t>(reduce_out_.nbytes()));
-    observer_->record("all_reduce:" + name_);
+void Unit::replicate() {
+  expect("replicate", GradState::kReducing);
+  if (!comms_->replicate) {
+    observer_->failed();
+    throw Error(ctx("replicate"),
+                fmt::format("internal error: unit '{}' has no replicas to all-reduce over", name_));
   }
+  if (reduce_work_) {
+    const auto start = Clock::now();
+    collective([&] { reduce_work_->wait(); });
+    observer_->waited(Clock::now() - start);
+  }
+  reduce_work_.reset();
+  collective([&] { replicate_work_ = comms_->replicate->all_reduce(reduce_out_, ReduceOp::kAvg); });
+  observer_->issued(Collective::kAllReduce, index_, static_cast<int64_t>(reduce_out_.nbytes()));
+  observer_->record("all_reduce:" + name_);
+  grad_ = GradState::kReplicating;
+}
+
+void Unit::complete_reduction() {
+  // With replicas the reduction is complete only once replicated.
+  expect("complete_reduction", comms_->replicate ? GradState::kReplicating : GradState::kReducing);
+  c10::NoGradGuard no_grad;
+  WorkPtr& work = comms_->replicate ? replicate_work_ : reduce_work_;
+  if (work) collective([&] { work->wait(); });
+  work.reset();
   reduce_out_ = reduce_out_.to(at::kFloat);
   grad_ = GradState::kReduced;
 }
@@ -214,7 +231,7 @@ void Unit::accumulate() {
 // they write).
 void Unit::reset() {
   c10::NoGradGuard no_grad;
-  for (WorkPtr* w : {&gather_work_, &reduce_work_}) {
+  for (WorkPtr* w : {&gather_work_, &reduce_work_, &replicate_work_}) {
     if (*w) {
       try {
         (*w)->wait();

@@ -19,7 +19,9 @@
 //   ACCUMULATING  backward armed; pending() parameters still wait for their gradient
 //   HELD          gradient sync off (no_sync): the unit's unsharded gradient, summed over
 //                 the micro-batches so far, is kept (fp32) instead of reduced
-//   REDUCING      flattened and reduce-scattered / all-reduced (in flight)
+//   REDUCING      flattened and reduce-scattered within the shard group (in flight; done at
+//                 once without a shard group)
+//   REPLICATING   the reduced shard is all-reduced over the replicas (NO_SHARD, HYBRID_SHARD)
 //   REDUCED       the averaged shard gradient is ready, to be added to the shard's .grad
 //                 once every rank agreed that the step succeeded
 //
@@ -27,7 +29,8 @@
 //   gradient_arrived()    ACCUMULATING (one parameter's gradient is accumulated)
 //   hold()                ACCUMULATING -> HELD       (the unit's parameters are resharded)
 //   launch_reduction()    ACCUMULATING -> REDUCING   (resharded; a held sum is included)
-//   complete_reduction()  REDUCING     -> REDUCED
+//   replicate()           REDUCING     -> REPLICATING (waits for the reduce-scatter)
+//   complete_reduction()  REPLICATING  -> REDUCED, or REDUCING -> REDUCED without replicas
 //   accumulate()          REDUCED      -> IDLE
 //
 // reset() (a failed step) takes any state to SHARDED / IDLE, dropping the gradient, after
@@ -87,7 +90,7 @@ class UnitObserver {
 class Unit {
  public:
   enum class ParamState { kSharded, kGathering, kUnsharded };
-  enum class GradState { kIdle, kAccumulating, kHeld, kReducing, kReduced };
+  enum class GradState { kIdle, kAccumulating, kHeld, kReducing, kReplicating, kReduced };
   static const char* name_of(ParamState s);
   static const char* name_of(GradState s);
 
@@ -131,6 +134,9 @@ class Unit {
   void stop_waiting();
   void hold();
   void launch_reduction();
+  // Issues the all-reduce over the replicas (only with a replicate group), without waiting
+  // for it: what overlaps it with the rest of backward.
+  void replicate();
   void complete_reduction();
   void accumulate();
 
@@ -160,8 +166,9 @@ class Unit {
   GradState grad_ = GradState::kIdle;
   int pending_ = 0;
   at::Tensor held_;        // fp32, `padded` elements; undefined when nothing is held
-  WorkPtr reduce_work_;    // REDUCING: the reduce-scatter (null without a shard group)
-  at::Tensor reduce_out_;  // REDUCING / REDUCED
+  WorkPtr reduce_work_;     // REDUCING: the reduce-scatter (null without a shard group)
+  WorkPtr replicate_work_;  // REPLICATING: the all-reduce over replicas
+  at::Tensor reduce_out_;   // REDUCING / REPLICATING / REDUCED
 
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 };

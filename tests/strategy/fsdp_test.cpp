@@ -338,6 +338,66 @@ TEST(FsdpAccumulation, OneReductionPerUnitPerOptimizerStep) {
   }
 }
 
+// Over replicas (NO_SHARD, HYBRID_SHARD) a unit's all-reduce is issued while backward still
+// runs, as DDP's buckets are: by the time the root's gradients are computed (a hook on wpe's
+// weight, whose gradient comes after every block's backward), the last block's all-reduce
+// was issued; the root's own comes after.
+TEST(FsdpOverlap, ReplicaAllReducesAreIssuedDuringBackward) {
+  at::set_num_threads(1);
+  struct Setup {
+    ShardingStrategy sharding;
+    int world;
+    std::vector<std::string> issued_by_then;
+  };
+  for (const Setup& setup :
+       {Setup{ShardingStrategy::kNoShard, 2, {"all_reduce:h2", "all_reduce:h1"}},
+        Setup{ShardingStrategy::kHybridShard, 4, {"all_reduce:h2"}}}) {
+    const int world = setup.world;
+    const bool hybrid = setup.sharding == ShardingStrategy::kHybridShard;
+    const auto data = make_data(Model::kTransformer, world);
+    std::vector<std::shared_ptr<TinyTransformerImpl>> modules;
+    for (int r = 0; r < world; ++r) {
+      torch::manual_seed(7);
+      modules.push_back(TinyTransformer(50, 8, 16, 2, /*layers=*/3).ptr());
+    }
+    run_with_groups(world, hybrid ? 2 : 0, [&](Communicator& comm, const HybridGroups& g) {
+      const int r = comm.rank();
+      FsdpOptions o;
+      o.sharding = setup.sharding;
+      o.wrap_policy = wrap_modules_named("BlockImpl");
+      o.shard_group = g.shard_group;
+      o.replicate_group = g.replicate_group;
+      FullyShardedDataParallel fsdp(modules[r],
+                                    std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+      std::vector<std::string> during;
+      modules[r]->wpe->weight.register_hook([&](const at::Tensor&) {
+        during = fsdp.last_collective_log();
+      });
+      auto opt = make_opt(Opt::kSgd, fsdp.parameters());
+      for (int step = 0; step < 2; ++step) {
+        opt->zero_grad();
+        at::Tensor x = data[step].x.narrow(0, r * kLocalBatch, kLocalBatch);
+        at::Tensor y = data[step].y.narrow(0, r * kLocalBatch, kLocalBatch);
+        fsdp.backward(fsdp.forward(
+            [&] { return loss_of(Model::kTransformer, *modules[r], x, y, false); }));
+        opt->step();
+        const auto after = fsdp.last_collective_log();
+        for (const auto& entry : setup.issued_by_then) {
+          DTRAIN_CHECK(position(during, entry) != std::string::npos,
+                       "rank {} step {}: {} not issued during backward; by the root's backward: {}",
+                       r, step, entry, fmt::join(during, ", "));
+        }
+        DTRAIN_CHECK(position(during, "all_reduce:(root)") == std::string::npos,
+                     "rank {}: the root's gradient cannot be reduced before it is computed", r);
+        for (const std::string unit : {"(root)", "h0", "h1", "h2"}) {
+          DTRAIN_CHECK(count_prefix(after, "all_reduce:" + unit) == 1, "rank {}: {}", r,
+                       fmt::join(after, ", "));
+        }
+      }
+    });
+  }
+}
+
 TEST(FsdpMemory, ModelStateIsAboutOneNthOfDataParallel) {
   at::set_num_threads(1);
   const int world = 4;

@@ -239,5 +239,39 @@ TEST(FsdpUnit, AGradientCycleEndsInTheShardsGradient) {
   u.arm();  // IDLE again: the next step can start
 }
 
+// Gradient sync off: hold() keeps the unit's unsharded gradient (fp32) and the next synced
+// backward reduces the sum.
+TEST(FsdpUnit, HeldGradientsJoinTheNextReduction) {
+  UnitComms comms;
+  Recorder rec;
+  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms,
+         &rec);
+  auto give_grads = [&](double v) {
+    u.flat().param(0).mutable_grad() = at::full({2, 3}, v);
+    u.flat().param(1).mutable_grad() = at::full({4}, v);
+    u.flat().param(2).mutable_grad() = at::full({3}, v);
+    for (int i = 0; i < 3; ++i) u.gradient_arrived();
+  };
+  u.arm();
+  give_grads(1.0);
+  u.hold();
+  EXPECT_EQ(u.grad_state(), Unit::GradState::kHeld);
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kSharded) << "held units are freed like reduced ones";
+  EXPECT_FALSE(u.flat().param(0).grad().defined());
+  ASSERT_TRUE(u.held_gradient().defined());
+  EXPECT_EQ(u.held_gradient().scalar_type(), at::kFloat);
+  expect_internal_error([&] { u.accumulate(); }, "gradient is HELD, accumulate needs REDUCED");
+  expect_internal_error([&] { u.replicate(); }, "gradient is HELD, replicate needs REDUCING");
+  u.arm();  // from HELD
+  give_grads(2.0);
+  u.launch_reduction();
+  expect_internal_error([&] { u.replicate(); }, "has no replicas to all-reduce over");
+  u.complete_reduction();
+  u.accumulate();
+  EXPECT_FALSE(u.held_gradient().defined()) << "the held sum was reduced and let go";
+  EXPECT_TRUE(at::equal(u.flat().shard().grad(), at::full({13}, 3.0)));
+  expect_internal_error([&] { u.hold(); }, "gradient is IDLE, hold needs ACCUMULATING");
+}
+
 }  // namespace
 }  // namespace dtrain::fsdp
