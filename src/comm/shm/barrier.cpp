@@ -57,7 +57,11 @@ Barrier::Barrier(const Segment& segment, int rank, std::vector<int> global_ranks
 
 void Barrier::set_state(RankState state) {
   RankSlot& me = segment_.slot(rank_);
-  me.state.store(static_cast<uint32_t>(state));
+  const auto failed = static_cast<uint32_t>(RankState::kFailed);
+  uint32_t current = me.state.load();
+  while (current != failed &&
+         !me.state.compare_exchange_weak(current, static_cast<uint32_t>(state))) {
+  }
   futex_wake_all(me.arrived);
 }
 

@@ -33,7 +33,8 @@ class Barrier {
   void arrive_and_wait(Clock::time_point deadline, std::chrono::milliseconds timeout,
                        const std::string& step);
 
-  // Publishes this rank's state and wakes every peer that sleeps on it.
+  // Publishes this rank's state and wakes every peer that sleeps on it. kFailed is final:
+  // a failed rank that then leaves stays kFailed, so peers report the failure, not the exit.
   void set_state(RankState state);
 
  private:
