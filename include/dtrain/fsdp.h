@@ -10,31 +10,56 @@
 // holds its shards plus the units in use. Gradients are reduce-scattered per unit as soon
 // as the unit's backward is done.
 //
-// C++ modules have no forward hooks, so a model marks where a unit runs with
-// dtrain::unit_call (a no-op under every other strategy and outside FSDP):
+// C++ modules have no forward hooks, so FSDP must be told where a unit's forward runs. Two
+// ways, both no-ops under every other strategy and outside FSDP:
 //
-//   at::Tensor GptImpl::forward(const at::Tensor& idx) {
-//     at::Tensor x = wte(idx) + wpe(pos);
-//     for (auto& block : blocks) x = dtrain::unit_call(*block, [&] { return block->forward(x); });
-//     return lm_head(ln_f(x));
-//   }
+// * A unit that is an entry of a torch::nn::Sequential needs nothing: FSDP replaces the
+//   entry in place (for its lifetime) with one that runs the original through unit_call,
+//   leaving the Sequential's registered children, hence every parameter name, unchanged.
+//   Stock modules become units without any model edit:
 //
-// and the strategy is built with a policy that makes those blocks units:
+//     layers = register_module("layers", torch::nn::Sequential());
+//     for (int i = 0; i < 12; ++i) layers->push_back(torch::nn::TransformerEncoderLayer(768, 12));
+//     ...
+//     o.wrap_policy = dtrain::wrap_modules_named("TransformerEncoderLayer");
+//
+// * Anywhere else the model marks the call with dtrain::unit_call:
+//
+//     at::Tensor GptImpl::forward(const at::Tensor& idx) {
+//       at::Tensor x = wte(idx) + wpe(pos);
+//       for (auto& block : blocks) x = dtrain::unit_call(*block, [&] { return block->forward(x); });
+//       return lm_head(ln_f(x));
+//     }
+//
+//   This is required for units called through a typed handle (`block->forward(x)`) or held
+//   in a torch::nn::ModuleList or ModuleDict: models reach those entries with `->as<T>()`,
+//   a dynamic_cast to the concrete type followed by a call bound at compile time to
+//   T::forward, so there is no point where FSDP could step in, and a replaced entry would
+//   make as<T>() return null. (Sequential is different because it calls its entries itself,
+//   through type-erased AnyModule values.)
+//
+// The strategy is built with a policy that makes those modules units:
 //
 //   dtrain::FsdpOptions o;
 //   o.wrap_policy = dtrain::wrap_modules_named("Block");    // or wrap_by_min_params(n)
 //   auto fsdp = std::make_shared<dtrain::FullyShardedDataParallel>(model, comm, o);
 //
-// A submodule that the policy wraps but the model never runs through unit_call is an error
-// (detected at the first forward).
+// A submodule that the policy wraps but the model never runs (through a Sequential or
+// unit_call) is an error (detected at the first forward).
 #pragma once
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 
+#include <ATen/core/Tensor.h>
+
+#include <array>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -65,6 +90,11 @@ struct MixedPrecision {
   c10::optional<c10::ScalarType> param_dtype;
   // Dtype gradients are reduced in; unset: param_dtype (or fp32).
   c10::optional<c10::ScalarType> reduce_dtype;
+  // Dtype of the module's floating-point buffers (e.g. BatchNorm statistics) while it trains;
+  // unset: unchanged. Buffers are not sharded: they are cast once, at construction, and stay
+  // in this dtype (the module updates them in it). full_state_dict() and checkpoints hold
+  // them in their original dtype, so they load under any strategy.
+  c10::optional<c10::ScalarType> buffer_dtype;
 };
 
 // Decides whether a submodule becomes its own unit. Arguments: the submodule's qualified
@@ -139,10 +169,115 @@ class FullyShardedDataParallel final : public Strategy {
   std::unique_ptr<Impl> impl_;
 };
 
-// Runs `fn` as the forward of `module`. Under FullyShardedDataParallel, when `module` is a
-// unit, its parameters are gathered before and freed after (per the sharding strategy) and
-// its output is hooked for the pre-backward gather. Everywhere else it just calls fn().
-at::Tensor unit_call(torch::nn::Module& module, const std::function<at::Tensor()>& fn);
+// ---- Where a unit runs ------------------------------------------------------------------
+
+// The tensors in a value a unit's forward returns: unit_call hooks each one that requires
+// grad, so that the unit is gathered again before its backward whichever output's gradient
+// arrives first. A customization point: provided for at::Tensor, std::tuple, std::pair,
+// std::vector, std::array and std::optional of supported types, and arithmetic or enum
+// values (no tensors). For a struct of your own, specialize it in namespace dtrain:
+//
+//   struct EncoderOut { at::Tensor hidden; at::Tensor attention; int64_t layers; };
+//   template <>
+//   struct dtrain::UnitOutput<EncoderOut> {
+//     template <typename F>
+//     static void for_each_tensor(const EncoderOut& o, F&& f) { f(o.hidden); f(o.attention); }
+//   };
+//
+// List every tensor that can carry a gradient back into the unit: if the unit's backward
+// started from an output left out, its parameters would not be gathered for it.
+template <typename T, typename Enable = void>
+struct UnitOutput {
+  static_assert(sizeof(T) == 0,
+                "dtrain::unit_call: this return type has no dtrain::UnitOutput<T>; specialize "
+                "it to list the type's tensors (see dtrain/fsdp.h)");
+};
+
+// ---- UnitOutput for the standard types ----
+
+template <>
+struct UnitOutput<at::Tensor> {
+  template <typename F>
+  static void for_each_tensor(const at::Tensor& t, F&& f) {
+    f(t);
+  }
+};
+
+template <typename T>
+struct UnitOutput<T, std::enable_if_t<std::is_arithmetic_v<T> || std::is_enum_v<T>>> {
+  template <typename F>
+  static void for_each_tensor(const T&, F&&) {}
+};
+
+template <typename... Ts>
+struct UnitOutput<std::tuple<Ts...>> {
+  template <typename F>
+  static void for_each_tensor(const std::tuple<Ts...>& t, F&& f) {
+    std::apply([&](const Ts&... e) { (UnitOutput<Ts>::for_each_tensor(e, f), ...); }, t);
+  }
+};
+
+template <typename A, typename B>
+struct UnitOutput<std::pair<A, B>> {
+  template <typename F>
+  static void for_each_tensor(const std::pair<A, B>& p, F&& f) {
+    UnitOutput<A>::for_each_tensor(p.first, f);
+    UnitOutput<B>::for_each_tensor(p.second, f);
+  }
+};
+
+template <typename T>
+struct UnitOutput<std::vector<T>> {
+  template <typename F>
+  static void for_each_tensor(const std::vector<T>& v, F&& f) {
+    for (const T& e : v) UnitOutput<T>::for_each_tensor(e, f);
+  }
+};
+
+template <typename T, size_t N>
+struct UnitOutput<std::array<T, N>> {
+  template <typename F>
+  static void for_each_tensor(const std::array<T, N>& a, F&& f) {
+    for (const T& e : a) UnitOutput<T>::for_each_tensor(e, f);
+  }
+};
+
+template <typename T>
+struct UnitOutput<std::optional<T>> {
+  template <typename F>
+  static void for_each_tensor(const std::optional<T>& o, F&& f) {
+    if (o) UnitOutput<T>::for_each_tensor(*o, f);
+  }
+};
+
+namespace detail {
+// unit_call's part that does not depend on the return type: runs `fn` as `module`'s forward;
+// `fn` appends the output's tensors to its argument.
+void run_unit(torch::nn::Module& module,
+              const std::function<void(std::vector<at::Tensor>& outputs)>& fn);
+}  // namespace detail
+
+// Runs `fn` as the forward of `module` and returns what it returns. Under
+// FullyShardedDataParallel, when `module` is a unit, its parameters are gathered before and
+// freed after (per the sharding strategy) and every output tensor (UnitOutput) is hooked
+// for the pre-backward gather. Everywhere else it just calls fn().
+//
+// Needed where a unit's forward is called by the model's own code: through a typed handle
+// (`block->forward(x)`), or an entry of a torch::nn::ModuleList or ModuleDict reached with
+// `->as<T>()` — such calls are bound at compile time to T::forward and C++ modules have no
+// forward hooks, so FSDP cannot see them. Not needed for entries of a torch::nn::Sequential
+// run by Sequential::forward: FSDP routes those itself (see the top of this header).
+template <typename Fn>
+auto unit_call(torch::nn::Module& module, Fn&& fn) -> std::decay_t<std::invoke_result_t<Fn&>> {
+  using Out = std::decay_t<std::invoke_result_t<Fn&>>;
+  static_assert(!std::is_void_v<Out>, "dtrain::unit_call: the unit's forward must return a value");
+  std::optional<Out> out;
+  detail::run_unit(module, [&](std::vector<at::Tensor>& tensors) {
+    out.emplace(fn());
+    UnitOutput<Out>::for_each_tensor(*out, [&](const at::Tensor& t) { tensors.push_back(t); });
+  });
+  return std::move(*out);
+}
 
 // Splits `world` ranks into shard groups of `shard_group_size` consecutive ranks and
 // replicate groups of ranks with the same position in their shard group; connects both

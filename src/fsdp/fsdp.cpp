@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 
 #include "dtrain/errors.h"
 #include "fsdp/active.h"
@@ -95,6 +96,19 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
   verify_same_model(*comm_, named, "FullyShardedDataParallel()");
   broadcast_from_rank0(*comm_, everything);
   build_units();
+  cast_buffers();
+}
+
+void FullyShardedDataParallel::Impl::cast_buffers() {
+  const auto dtype = options_.mixed_precision.buffer_dtype;
+  if (!dtype) return;
+  c10::NoGradGuard no_grad;
+  for (const auto& item : module_->named_buffers(true)) {
+    at::Tensor b = item.value();
+    if (!b.is_floating_point() || b.scalar_type() == *dtype) continue;
+    buffer_dtypes_.emplace(item.key(), b.scalar_type());
+    b.set_data(b.to(*dtype));
+  }
 }
 
 FullyShardedDataParallel::Impl::~Impl() {
@@ -103,11 +117,14 @@ FullyShardedDataParallel::Impl::~Impl() {
 
 void FullyShardedDataParallel::Impl::build_units() {
   c10::NoGradGuard no_grad;
+  std::set<const torch::nn::Module*> submodules;
   for (auto& plan : fsdp::plan_units(module_, options_.wrap_policy)) {
+    if (plan.module != module_.get()) submodules.insert(plan.module);
     fsdp::FlatParam flat(std::move(plan.params), std::move(plan.param_names),
                          fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_});
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }
+  sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules);
 }
 
 std::vector<at::Tensor> FullyShardedDataParallel::Impl::shards() const {

@@ -7,6 +7,7 @@
 
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -14,6 +15,7 @@
 
 #include "dtrain/fsdp.h"
 #include "fsdp/schedule.h"
+#include "fsdp/sequential_units.h"
 #include "strategy/step_sync.h"
 
 namespace dtrain {
@@ -45,6 +47,7 @@ class FullyShardedDataParallel::Impl {
     return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
   }
   void build_units();
+  void cast_buffers();
   void reset_after_failure();
 
   CommunicatorPtr comm_;
@@ -53,6 +56,13 @@ class FullyShardedDataParallel::Impl {
   int shard_size_ = 1, shard_rank_ = 0;
   c10::ScalarType param_dtype_ = c10::ScalarType::Float;
   std::unique_ptr<fsdp::Schedule> schedule_;
+  // Units that are Sequential entries, routed through unit_call; restored first on destruction.
+  std::unique_ptr<fsdp::SequentialUnits> sequential_units_;
+  // MixedPrecision::buffer_dtype: the original dtype of each buffer that was cast, by name,
+  // and the original-dtype copies the last state_layout() handed out (written back by
+  // state_loaded()).
+  std::map<std::string, c10::ScalarType> buffer_dtypes_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> buffer_copies_;  // (module buffer, copy)
   StepSync steps_;
   bool training_forward_ = false;  // the running forward() has grad mode on
 };

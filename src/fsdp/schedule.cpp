@@ -24,6 +24,7 @@ void Schedule::add_unit(std::string name, const torch::nn::Module* module, FlatP
   UnitObserver* observer = this;  // the private base, reachable here
   units_.emplace_back(index, std::move(name), module, std::move(flat), &comms_, observer);
   ran_.push_back(0);
+  running_.push_back(0);
   Unit& u = units_.back();
   std::weak_ptr<Schedule*> weak = token_;
   u.hook_gradients([weak, index] {
@@ -69,6 +70,7 @@ void Schedule::prefetch(int index, const char* why) {
 void Schedule::begin_forward() {
   forward_order_.clear();
   std::fill(ran_.begin(), ran_.end(), 0);
+  std::fill(running_.begin(), running_.end(), 0);
   units_[0].ensure_unsharded();
   if (options_.forward_prefetch && !recorded_order_.empty()) {
     prefetch(recorded_order_[0], " (prefetch)");
@@ -77,7 +79,7 @@ void Schedule::begin_forward() {
 
 int Schedule::enter_unit(const torch::nn::Module& m) {
   const int index = unit_of(m);
-  if (index <= 0) return -1;
+  if (index <= 0 || running_[index]) return -1;
   Unit& u = units_[index];
   const size_t position = forward_order_.size();
   if (recorded_ && (position >= recorded_order_.size() || recorded_order_[position] != index)) {
@@ -91,6 +93,7 @@ int Schedule::enter_unit(const torch::nn::Module& m) {
   }
   forward_order_.push_back(index);
   ran_[index] = 1;
+  running_[index] = 1;
   u.ensure_unsharded();
   if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
     prefetch(recorded_order_[position + 1], " (prefetch)");
@@ -100,17 +103,25 @@ int Schedule::enter_unit(const torch::nn::Module& m) {
 
 void Schedule::exit_unit(int position, bool threw) {
   Unit& u = units_[forward_order_[position]];
+  running_[forward_order_[position]] = 0;
   if (!frees_after_forward()) return;
   if (threw && u.param_state() != Unit::ParamState::kUnsharded) return;
   u.reshard();
 }
 
-void Schedule::hook_output(int position, const at::Tensor& output) {
-  if (!output.defined() || !output.requires_grad()) return;
+void Schedule::hook_outputs(int position, const std::vector<at::Tensor>& outputs) {
   std::weak_ptr<Schedule*> weak = token_;
-  output.register_hook([weak, position](const at::Tensor&) {
-    if (auto self = weak.lock()) (*self)->pre_backward(position);
-  });
+  // Shared by this use's hooks: only the first gradient to arrive gathers (a later one may
+  // come after the unit's backward ended and it was freed again).
+  auto fired = std::make_shared<bool>(false);
+  for (const at::Tensor& output : outputs) {
+    if (!output.defined() || !output.requires_grad()) continue;
+    output.register_hook([weak, position, fired](const at::Tensor&) {
+      if (*fired) return;
+      *fired = true;
+      if (auto self = weak.lock()) (*self)->pre_backward(position);
+    });
+  }
 }
 
 void Schedule::end_forward(Communicator& world) {
@@ -119,7 +130,8 @@ void Schedule::end_forward(Communicator& world) {
     for (size_t k = 1; k < units_.size(); ++k) {
       if (!ran_[k]) {
         throw InvalidArgument(ctx, fmt::format("unit '{}' was never run through dtrain::unit_call; "
-                                               "wrap its forward call or change the wrap policy",
+                                               "wrap its forward call (or hold the module in a "
+                                               "torch::nn::Sequential) or change the wrap policy",
                                                units_[k].name()));
       }
     }

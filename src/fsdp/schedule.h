@@ -3,7 +3,7 @@
 //
 //   forward    begin_forward() gathers the root; enter_unit() / exit_unit() bracket a unit's
 //              forward (gather before, free after under FULL_SHARD / HYBRID_SHARD, forward
-//              prefetch of the next unit); hook_output() arranges the pre-backward gather on
+//              prefetch of the next unit); hook_outputs() arranges the pre-backward gather on
 //              the unit's output; end_forward() records and checks the unit order.
 //   backward   arm() at its start; a hook on each parameter's gradient accumulator counts the
 //              unit down, and reductions launch strictly in the agreed reverse order, so every
@@ -76,14 +76,17 @@ class Schedule final : private UnitObserver {
   // --- forward ---
   void begin_forward();
   // Enter a unit's forward: checks the order, gathers it, prefetches the next. Returns its
-  // position in this forward's order (what exit_unit and hook_output take), or -1 when `m`
-  // is not a non-root unit (nothing to do).
+  // position in this forward's order (what exit_unit and hook_outputs take), or -1 when `m`
+  // is not a non-root unit, or is one whose forward is already running (a unit_call nested
+  // in the unit's own, e.g. the model's unit_call around a Sequential entry FSDP routes
+  // itself: the outer call gathers and frees): nothing to do.
   int enter_unit(const torch::nn::Module& m);
   // Leave it: frees it under FULL_SHARD / HYBRID_SHARD. `threw`: its forward failed, leave it
   // as a peer's successful call would.
   void exit_unit(int position, bool threw);
-  // The unit's output: when its gradient arrives, the unit is gathered for its backward.
-  void hook_output(int position, const at::Tensor& output);
+  // The unit's output tensors: when the first of their gradients arrives, the unit is
+  // gathered for its backward (once per use, whichever output backward reaches first).
+  void hook_outputs(int position, const std::vector<at::Tensor>& outputs);
   // End of the forward: in the first iteration, checks that every unit ran and that every
   // rank of `world` ran them in the same order (a collective), and records the order.
   void end_forward(Communicator& world);
@@ -168,6 +171,7 @@ class Schedule final : private UnitObserver {
   std::vector<std::string> order_names_;
   bool recorded_ = false;
   std::vector<char> ran_;
+  std::vector<char> running_;  // between enter_unit and exit_unit
   std::vector<int> reduce_order_;
   size_t next_reduce_ = 0;
   size_t next_replicate_ = 0;  // reduce_order_ position of the next unit to all-reduce

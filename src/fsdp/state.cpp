@@ -65,8 +65,11 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::
     }
   }
   if (comm_->rank() == 0) {
-    for (const auto& item : module_->named_buffers(true))
-      out.emplace_back(item.key(), item.value().clone());
+    for (const auto& item : module_->named_buffers(true)) {
+      auto it = buffer_dtypes_.find(item.key());
+      out.emplace_back(item.key(), it == buffer_dtypes_.end() ? item.value().clone()
+                                                              : item.value().to(it->second));
+    }
     // Module order, as torch::nn::Module::named_parameters lists them.
     std::map<std::string, size_t> position;
     size_t k = 0;
@@ -132,7 +135,18 @@ StateLayout FullyShardedDataParallel::Impl::state_layout() {
   }
   // Module order; frozen parameters and buffers are not in any unit and held in full.
   StateLayout rest = replicated_state_layout(*module_, comm_, "");
+  buffer_copies_.clear();
   for (auto& s : rest.slices) {
+    auto cast = buffer_dtypes_.find(s.name);
+    if (s.kind == StateSlice::Kind::kBuffer && cast != buffer_dtypes_.end()) {
+      // Checkpoints see the original dtype: a copy, written back by state_loaded().
+      c10::NoGradGuard no_grad;
+      at::Tensor buffer = module_->named_buffers(true)[s.name];
+      at::Tensor copy = buffer.to(cast->second).contiguous();
+      s.dtype = cast->second;
+      s.data = copy.view({-1});
+      buffer_copies_.emplace_back(buffer, copy);
+    }
     auto it = sharded.find(s.name);
     layout.slices.push_back(it != sharded.end() && s.kind == StateSlice::Kind::kParameter
                                 ? std::move(it->second)
@@ -144,6 +158,8 @@ StateLayout FullyShardedDataParallel::Impl::state_layout() {
 void FullyShardedDataParallel::Impl::state_loaded() {
   // The shards changed: no gathered copy may be reused; each is rebuilt at its next use.
   schedule_->reshard_all();
+  c10::NoGradGuard no_grad;
+  for (auto& [buffer, copy] : buffer_copies_) buffer.copy_(copy);
 }
 
 }  // namespace dtrain

@@ -1,5 +1,5 @@
 // unit_call: the three points of a unit's forward the schedule needs, in order: enter (gather,
-// order check, forward prefetch), exit (free), hook the output (pre-backward gather).
+// order check, forward prefetch), exit (free), hook the outputs (pre-backward gather).
 #include "dtrain/fsdp.h"
 #include "fsdp/active.h"
 #include "fsdp/schedule.h"
@@ -15,21 +15,23 @@ void set_active_schedule(Schedule* schedule) { t_active = schedule; }
 
 }  // namespace fsdp
 
-at::Tensor unit_call(torch::nn::Module& module, const std::function<at::Tensor()>& fn) {
+namespace detail {
+
+void run_unit(torch::nn::Module& module,
+              const std::function<void(std::vector<at::Tensor>& outputs)>& fn) {
+  std::vector<at::Tensor> outputs;
   fsdp::Schedule* schedule = fsdp::active_schedule();
-  if (schedule == nullptr) return fn();
-  const int position = schedule->enter_unit(module);
-  if (position < 0) return fn();
-  at::Tensor out;
+  const int position = schedule != nullptr ? schedule->enter_unit(module) : -1;
+  if (position < 0) return fn(outputs);
   try {
-    out = fn();
+    fn(outputs);
   } catch (...) {
     schedule->exit_unit(position, /*threw=*/true);
     throw;
   }
   schedule->exit_unit(position, /*threw=*/false);
-  schedule->hook_output(position, out);
-  return out;
+  schedule->hook_outputs(position, outputs);
 }
 
+}  // namespace detail
 }  // namespace dtrain

@@ -398,6 +398,90 @@ TEST(FsdpOverlap, ReplicaAllReducesAreIssuedDuringBackward) {
   }
 }
 
+// An MLP whose output is scaled by a buffer (as a normalisation's statistics would).
+struct ScaledMlpImpl : torch::nn::Module {
+  ScaledMlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(6, 16))),
+        fc2(register_module("fc2", torch::nn::Linear(16, 4))),
+        scale(register_buffer("scale", at::full({4}, 1.0 / 3.0))),
+        count(register_buffer("count", at::zeros({1}, at::kLong))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    seen_dtype = scale.scalar_type();
+    return fc2->forward(at::tanh(fc1->forward(x))) * scale;
+  }
+  torch::nn::Linear fc1, fc2;
+  at::Tensor scale, count;
+  c10::ScalarType seen_dtype = at::kFloat;
+};
+TORCH_MODULE(ScaledMlp);
+
+// MixedPrecision::buffer_dtype: the module computes with bf16 buffers (integer ones stay),
+// training matches single-device training with the buffer rounded to bf16, and state dicts
+// and checkpoints see the buffers in their original dtype.
+TEST(FsdpMixedPrecision, BufferDtypeCastsFloatingBuffersForTraining) {
+  at::set_num_threads(1);
+  const int world = 2;
+  torch::manual_seed(1234);
+  std::vector<Batch> data;
+  for (int s = 0; s < kSteps; ++s) data.push_back({at::randn({3 * world, 6}), at::randn({3 * world, 4})});
+  auto run = [&](Strategy& s, ScaledMlpImpl& m, int64_t row0, int64_t rows) {
+    auto opt = make_opt(Opt::kSgd, s.parameters());
+    for (int step = 0; step < kSteps; ++step) {
+      opt->zero_grad();
+      at::Tensor x = data[step].x.narrow(0, row0, rows), y = data[step].y.narrow(0, row0, rows);
+      s.backward(s.forward([&] { return at::mse_loss(m.forward(x), y); }));
+      opt->step();
+    }
+  };
+  torch::manual_seed(7);
+  auto ref = ScaledMlp();
+  ref->scale.copy_(ref->scale.to(at::kBFloat16).to(at::kFloat));  // what bf16 keeps of 1/3
+  SingleDevice single(ref.ptr());
+  run(single, *ref, 0, 3 * world);
+
+  std::vector<ScaledMlp> modules;
+  for (int r = 0; r < world; ++r) {
+    torch::manual_seed(7);
+    modules.push_back(ScaledMlp());
+  }
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    FsdpOptions o;
+    o.mixed_precision.buffer_dtype = at::kBFloat16;
+    FullyShardedDataParallel fsdp(modules[r].ptr(),
+                                  std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+    DTRAIN_CHECK(modules[r]->count.scalar_type() == at::kLong, "integer buffers are not cast");
+    run(fsdp, *modules[r], r * 3, 3);
+    DTRAIN_CHECK(modules[r]->seen_dtype == at::kBFloat16, "forward saw a {} buffer",
+                 c10::toString(modules[r]->seen_dtype));
+    auto state = fsdp.full_state_dict();
+    if (r == 0) {
+      expect_state_matches(state, *ref, 1e-5, 1e-6);
+      for (const auto& [name, t] : state) {
+        if (name != "scale") continue;
+        DTRAIN_CHECK(t.scalar_type() == at::kFloat, "full_state_dict's buffer is {}",
+                     c10::toString(t.scalar_type()));
+        DTRAIN_CHECK(at::equal(t, ref->scale), "buffer values");
+      }
+    }
+    // Checkpoints: the original dtype, and what is loaded into the slice reaches the module.
+    StateLayout layout = fsdp.state_layout();
+    bool found = false;
+    for (auto& s : layout.slices) {
+      if (s.name != "scale") continue;
+      found = true;
+      DTRAIN_CHECK(s.dtype == at::kFloat && s.data.scalar_type() == at::kFloat,
+                   "checkpoint slice is {}", c10::toString(s.data.scalar_type()));
+      s.data.fill_(0.5);
+    }
+    DTRAIN_CHECK(found, "no slice for the buffer");
+    fsdp.state_loaded();
+    DTRAIN_CHECK(modules[r]->scale.scalar_type() == at::kBFloat16 &&
+                     modules[r]->scale.eq(0.5).all().item<bool>(),
+                 "state_loaded() writes the loaded buffer back");
+  });
+}
+
 TEST(FsdpMemory, ModelStateIsAboutOneNthOfDataParallel) {
   at::set_num_threads(1);
   const int world = 4;
