@@ -7,7 +7,9 @@
 #include <absl/flags/usage.h>
 #include <absl/flags/usage_config.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -103,10 +105,23 @@ ABSL_FLAG(double, clip, 1.0,
 
 // Precision and communication
 ABSL_FLAG(std::string, precision, "fp32",
-          "fp32 | bf16 | fp16. bf16/fp16 are FSDP mixed precision (param_dtype: blocks "
-          "compute in bf16/fp16 from fp32 shards; fp32 optimizer). single and ddp support "
-          "fp32 only (use --comm_hook bf16 for cheaper DDP communication). fp16 needs "
-          "--device cuda and has no loss scaling.");
+          "fp32 | bf16 | fp16. single and ddp: ATen autocast around the forward (matmuls and "
+          "linears in bf16/fp16; fp32 weights, gradients, Adam state and loss; "
+          "dtrain/autocast.h). fsdp: FSDP mixed precision (param_dtype: the blocks compute in "
+          "bf16/fp16 from fp32 shards; fp32 optimizer). fp16 needs --device cuda (CPU kernels "
+          "lack fp16) and is loss-scaled (--loss_scale). See docs/strategies.md.");
+ABSL_FLAG(std::string, loss_scale, "auto",
+          "auto | none | dynamic | <scale>. Multiply the loss by a scale before backward and "
+          "divide the gradients by it before clipping (dtrain::GradScaler), so that small fp16 "
+          "gradients do not underflow; a step whose gradients hold inf/NaN on any rank is "
+          "skipped on every rank. dynamic: start at --loss_scale_init, halve on such a step, "
+          "double after --loss_scale_interval clean steps. <scale>: a fixed scale. auto: "
+          "dynamic with --precision fp16, none otherwise (bf16 and fp32 have fp32's range and "
+          "need no scaling; a scale there only adds the inf/NaN step skipping). Saved in "
+          "checkpoints.");
+ABSL_FLAG(double, loss_scale_init, 65536.0, "--loss_scale dynamic: the first scale.");
+ABSL_FLAG(int64_t, loss_scale_interval, 2000,
+          "--loss_scale dynamic: clean steps (no inf/NaN) before the scale doubles.");
 ABSL_FLAG(std::string, loss, "fused",
           "How the LM head's cross-entropy is computed. fused: chunk by chunk of rows with the "
           "gradients formed in place, never materializing the [batch, context, vocab] logits "
@@ -270,25 +285,31 @@ Config config_from_flags() {
       choose<TokenizerKind>(absl::GetFlag(FLAGS_tokenizer),
                             {{"gpt2", TokenizerKind::kGpt2}, {"byte", TokenizerKind::kByte}},
                             "--tokenizer must be gpt2 or byte");
-  if (c.precision != Precision::kFp32) {
-    const std::string p = to_string(c.precision);
-    check(c.strategy == StrategyKind::kFsdp,
-          "--precision " + p +
-              " is supported with --strategy fsdp only (FSDP MixedPrecision: the blocks "
-              "compute in " +
-              p +
-              " from fp32 shards, the optimizer stays fp32). single and ddp train in fp32: "
-              "LibTorch's stable C++ API has no autocast, and casting the model to " +
-              p + " is not mixed precision (the weights and Adam's state would be " + p +
-              " too). For cheaper DDP communication use --comm_hook bf16.");
-    check(c.precision != Precision::kFp16 || c.device == DeviceKind::kCuda,
-          "--precision fp16 needs --device cuda (CPU kernels lack fp16; use bf16 on CPU)");
-  }
+  check(c.precision != Precision::kFp16 || c.device == DeviceKind::kCuda,
+        "--precision fp16 needs --device cuda (CPU kernels lack fp16; use bf16 on CPU)");
   if (c.strategy == StrategyKind::kFsdp) {
     check(c.comm_hook != CommHookKind::kParameterServer,
           "--comm_hook ps is a DataParallel hook; fsdp reduces with reduce-scatter (allreduce, "
           "fp16 or bf16 reduce dtype)");
   }
+  const std::string loss_scale = absl::GetFlag(FLAGS_loss_scale);
+  c.loss_scale_value = absl::GetFlag(FLAGS_loss_scale_init);
+  c.loss_scale_interval = absl::GetFlag(FLAGS_loss_scale_interval);
+  if (loss_scale == "auto") {
+    c.loss_scale = c.precision == Precision::kFp16 ? LossScaleKind::kDynamic : LossScaleKind::kNone;
+  } else if (loss_scale == "none" || loss_scale == "dynamic") {
+    c.loss_scale = loss_scale == "none" ? LossScaleKind::kNone : LossScaleKind::kDynamic;
+  } else {
+    char* end = nullptr;
+    c.loss_scale_value = std::strtod(loss_scale.c_str(), &end);
+    check(
+        !loss_scale.empty() && end == loss_scale.c_str() + loss_scale.size() &&
+            c.loss_scale_value > 0 && std::isfinite(c.loss_scale_value),
+        "--loss_scale must be auto, none, dynamic or a positive number, got '" + loss_scale + "'");
+    c.loss_scale = LossScaleKind::kFixed;
+  }
+  check(c.loss_scale_value > 0 && std::isfinite(c.loss_scale_value) && c.loss_scale_interval >= 1,
+        "--loss_scale_init must be positive and --loss_scale_interval at least 1");
   c.gpt.vocab_size = 1;  // set from the tokenizer later; keeps validate() meaningful now
   c.gpt.validate();
 

@@ -24,6 +24,10 @@ struct StepRecord {
   std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;
   int stop_signal = 0;             // a SIGTERM/SIGINT some rank received (0: none)
   std::optional<double> val_loss;  // a mid-epoch validation after this step (--val_every)
+  // With a loss scale (--loss_scale): the scale this step's loss was multiplied by, and
+  // whether the step was skipped (inf/NaN in some rank's gradients).
+  std::optional<double> loss_scale;
+  bool skipped = false;
 
   double tokens_per_s() const { return static_cast<double>(tokens) / step_time_s; }
   double peak_rss_mib() const;     // max over ranks

@@ -51,6 +51,7 @@ void Reporter::write_step(const StepRecord& r) {
   j.add("model_state_mib_per_rank", r.model_state_mib_per_rank);
   j.add("comm_wait_s", r.comm_wait_s).add("comm_total_s", r.comm_total_s);
   j.add("num_collectives", r.num_collectives).add("lr", r.lr);
+  if (r.loss_scale) j.add("loss_scale", *r.loss_scale).add("skipped", r.skipped ? 1 : 0);
   metrics_->write(j);
 }
 

@@ -23,6 +23,8 @@ enum class CommHookKind { kAllreduce, kFp16, kBf16, kParameterServer };
 // kText: a file or folder (empty path: the built-in corpus); kRandom: uniform random tokens.
 enum class DataKind { kText, kRandom };
 enum class TokenizerKind { kGpt2, kByte };
+// --loss_scale: none, dynamic (dtrain::GradScaler's backoff and growth) or a fixed scale.
+enum class LossScaleKind { kNone, kDynamic, kFixed };
 
 const char* to_string(StrategyKind v);
 const char* to_string(DeviceKind v);
@@ -65,6 +67,9 @@ struct Config {
 
   // Precision and communication
   Precision precision = Precision::kFp32;
+  LossScaleKind loss_scale = LossScaleKind::kNone;  // "auto" resolved: dynamic for fp16
+  double loss_scale_value = 65536;                  // kFixed: the scale; kDynamic: the first
+  int64_t loss_scale_interval = 2000;               // kDynamic: clean steps before growing
   LossKind loss = LossKind::kFused;
   CommHookKind comm_hook = CommHookKind::kAllreduce;
   double bucket_mb = 0;
@@ -92,6 +97,8 @@ struct Config {
   std::string export_path, init_from;
 
   bool fused_loss() const { return loss == LossKind::kFused; }
+  // bf16/fp16 under single and ddp: ATen autocast around the forward (fsdp: param_dtype).
+  bool autocast() const { return precision != Precision::kFp32 && strategy != StrategyKind::kFsdp; }
 };
 
 // Throws dtrain::InvalidArgument(message) when !ok.

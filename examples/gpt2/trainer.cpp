@@ -167,8 +167,17 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
     const double loss = micro_step(index_in_epoch * c_.grad_accum + m, m + 1 == c_.grad_accum, r);
     local_loss += loss / static_cast<double>(c_.grad_accum);
   }
+  if (scaler_) {  // true gradients before clipping; every rank agrees on inf/NaN
+    r.loss_scale = scaler_->current_scale();
+    scaler_->unscale(*optimizer_);
+  }
   r.grad_norm = c_.clip > 0 ? strategy_->clip_grad_norm(c_.clip) : strategy_->grad_norm();
-  optimizer_->step();
+  if (scaler_) {
+    r.skipped = !scaler_->step(*optimizer_);
+    scaler_->update();
+  } else {
+    optimizer_->step();
+  }
   sync_device();
 
   r.step_time_s = seconds_since(t0);
@@ -189,14 +198,22 @@ double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
   Batch b = load_batch(train_tokens_, *train_sampler_, micro_batch);
   at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
   strategy_->set_requires_gradient_sync(last);
-  at::Tensor loss = strategy_->forward([&] { return model_->loss(x, y, c_.fused_loss()); });
+  at::Tensor loss = strategy_->forward([&] { return model_loss(x, y); });
   const double value = loss.item<double>();
-  strategy_->backward(c_.grad_accum > 1 ? loss / static_cast<double>(c_.grad_accum) : loss);
+  if (c_.grad_accum > 1) loss = loss / static_cast<double>(c_.grad_accum);
+  strategy_->backward(scaler_ ? scaler_->scale(loss) : loss);
   const dtrain::StepStats& stats = strategy_->last_step_stats();
   record.comm_wait_s += stats.comm_wait_s;
   record.comm_total_s += stats.comm_total_s;
   record.num_collectives += stats.num_collectives;
   return value;
+}
+
+// The model's loss (fp32), under autocast with --precision bf16/fp16 for single and ddp.
+at::Tensor Trainer::model_loss(const at::Tensor& x, const at::Tensor& y) {
+  std::optional<dtrain::AutocastGuard> amp;
+  if (autocast_) amp.emplace(*autocast_);
+  return model_->loss(x, y, c_.fused_loss());
 }
 
 // One all-gather of each rank's loss, peak RSS, model state and stop signal (every rank
@@ -238,7 +255,7 @@ double Trainer::validate() {
   for (int64_t i = 0; i < n; ++i) {
     Batch b = load_batch(val_tokens_, *val_sampler_, i);
     at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
-    at::Tensor loss = strategy_->forward([&] { return model_->loss(x, y, c_.fused_loss()); });
+    at::Tensor loss = strategy_->forward([&] { return model_loss(x, y); });
     sum += loss.item<double>();
   }
   double mean = sum / static_cast<double>(std::max<int64_t>(n, 1));

@@ -10,11 +10,14 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "blas_setup.h"
 #include "data.h"
+#include "dtrain/autocast.h"
 #include "dtrain/data_parallel.h"
+#include "dtrain/grad_scaler.h"
 #include "dtrain/rendezvous.h"
 #include "dtrain/store.h"
 #include "dtrain/strategy.h"
@@ -51,7 +54,7 @@ class Trainer {
   void setup_device_and_comm();
   void setup_data();
   void setup_model_and_strategy();
-  void setup_optimizer();
+  void setup_optimizer();  // and the loss scaler
   Schedule plan_schedule();
 
   // Training (trainer.cpp).
@@ -59,6 +62,7 @@ class Trainer {
   StepRecord train_step(const Schedule& schedule, int64_t epoch, int64_t index_in_epoch,
                         int64_t step);
   double micro_step(int64_t micro_batch, bool last, StepRecord& record);
+  at::Tensor model_loss(const at::Tensor& x, const at::Tensor& y);
   void gather_rank_values(double local_loss, StepRecord& record);
   double validate();
   void write_profile(int64_t total_steps);
@@ -89,6 +93,8 @@ class Trainer {
   Gpt model_{nullptr};
   std::shared_ptr<dtrain::Strategy> strategy_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::optional<dtrain::Autocast> autocast_;    // --precision bf16/fp16 under single and ddp
+  std::unique_ptr<dtrain::GradScaler> scaler_;  // --loss_scale
   Reporter report_;
   std::unique_ptr<OpProfile> op_profile_;  // rank 0 with --profile_out
 };

@@ -26,6 +26,15 @@ int64_t Trainer::resume_step() {
       dtrain::load_checkpoint(latest, *strategy_, optimizer_.get(), {}, &stats);
   say(fmt::format("resume: step {} from {} ({:.1f} MiB read in {:.2f} s on rank 0)", state.step,
                   latest, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  if (scaler_) {
+    if (state.values.count("grad_scaler.scale") != 0) {
+      scaler_->load_state_dict(state.values);
+      say(fmt::format("resume: loss scale {}", scaler_->current_scale()));
+    } else {
+      say(fmt::format("resume: the checkpoint holds no loss scale; starting at {}",
+                      scaler_->current_scale()));
+    }
+  }
   return state.step;
 }
 
@@ -54,6 +63,7 @@ std::string Trainer::save_checkpoint(int64_t step) {
   state.step = step;
   state.values["seed"] = std::to_string(c_.seed);
   state.values["global_batch"] = std::to_string(c_.batch * info_.world_size * c_.grad_accum);
+  if (scaler_) state.values.merge(scaler_->state_dict());
   const dtrain::CheckpointStats stats =
       dtrain::save_checkpoint(c_.ckpt_dir, *strategy_, optimizer_.get(), state, o);
   say(fmt::format("checkpoint: step {} to {} ({:.1f} MiB written in {:.2f} s on rank 0)", step,

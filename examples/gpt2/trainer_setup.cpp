@@ -1,7 +1,7 @@
 // The trainer's set-up, in the order run() calls it: process, device and communicator,
 // data, model and strategy, optimizer, schedule.
-#include <ATen/Parallel.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <sched.h>
 #include <torch/cuda.h>
 
@@ -224,15 +224,34 @@ void Trainer::setup_model_and_strategy() {
       break;
     }
   }
+  if (c_.autocast()) {
+    autocast_ = dtrain::Autocast{device_.type(), c_.precision == Precision::kBf16
+                                                     ? c10::ScalarType::BFloat16
+                                                     : c10::ScalarType::Half};
+    dtrain::check_autocast(*autocast_);
+    details += fmt::format(", autocast {}", to_string(c_.precision));
+  }
   say(fmt::format("strategy: {} on {} rank(s), device {}, precision {}{}", strategy_->name(),
                   info_.world_size, device_.str(), to_string(c_.precision), details));
 }
 
-// AdamW over what the strategy steps (FSDP: its fp32 shards).
+// AdamW over what the strategy steps (FSDP: its fp32 shards), and the loss scaler, which
+// agrees on skipped steps over every rank (comm_, also under hybrid sharding).
 void Trainer::setup_optimizer() {
   optimizer_ = std::make_unique<torch::optim::AdamW>(
       strategy_->parameters(),
       torch::optim::AdamWOptions(c_.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(c_.weight_decay));
+  if (c_.loss_scale == LossScaleKind::kNone) return;
+  dtrain::GradScalerOptions o;
+  o.init_scale = c_.loss_scale_value;
+  o.dynamic = c_.loss_scale == LossScaleKind::kDynamic;
+  o.growth_interval = c_.loss_scale_interval;
+  scaler_ = std::make_unique<dtrain::GradScaler>(comm_, o);
+  say(o.dynamic
+          ? fmt::format("loss scale: dynamic from {}, x2 after {} clean steps, x0.5 on "
+                        "inf/NaN (skipped)",
+                        o.init_scale, o.growth_interval)
+          : fmt::format("loss scale: fixed {} (steps with inf/NaN are skipped)", o.init_scale));
 }
 
 Trainer::Schedule Trainer::plan_schedule() {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "dtrain/activation_checkpoint.h"
+#include "dtrain/autocast.h"
 #include "dtrain/blas.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm_hook.h"
@@ -10,6 +11,7 @@
 #include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/grad_scaler.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/launcher.h"
 #include "dtrain/rendezvous.h"

@@ -29,13 +29,27 @@ struct AutocastState {
   }
 };
 
+// Entering and leaving an autocast region. Like Python's torch.autocast, regions count their
+// nesting and the outermost one clears ATen's cache of weight casts when it ends: the cache
+// is keyed by the fp32 weight, so a cast kept past an optimizer step (which updates the
+// weight in place) would feed stale weights to the next forward.
+// Enters `state`; returns the state leave_autocast() must restore.
+inline AutocastState enter_autocast(const AutocastState& state) {
+  AutocastState saved = AutocastState::current();
+  state.apply();
+  at::autocast::increment_nesting();
+  return saved;
+}
+inline void leave_autocast(const AutocastState& saved) {
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  saved.apply();
+}
+
 // Enters `state` for a scope and restores the previous state after it.
 class AutocastGuard {
  public:
-  explicit AutocastGuard(const AutocastState& state) : saved_(AutocastState::current()) {
-    state.apply();
-  }
-  ~AutocastGuard() { saved_.apply(); }
+  explicit AutocastGuard(const AutocastState& state) : saved_(enter_autocast(state)) {}
+  ~AutocastGuard() { leave_autocast(saved_); }
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;
 

@@ -9,7 +9,8 @@
 // save_checkpoint under FSDP on every rank; DTRAIN_TEST_PAUSE_RANK picks the rank that
 // stops, creating out_path/../paused.<rank>), "listen" (hold TCP port <timeout_ms> on every interface,
 // accepting and never answering, for 30 s: a program other than the job's store on the
-// master's port), "desync_size" (rank r all-reduces 1024 >> r floats: ranks disagree).
+// master's port), "desync_size" (rank r all-reduces 1024 >> r floats: ranks disagree),
+// "grad_scaler_*" and "autocast_*" (mixed precision, amp_scenarios.h).
 // Exit codes: 0 ok, 3 dtrain::CommError, 4 dtrain::TimeoutError, 5 dtrain::DesyncError,
 // 1 other.
 #include <ATen/ATen.h>
@@ -23,6 +24,7 @@
 #include <iostream>
 #include <string>
 
+#include "amp_scenarios.h"
 #include "checkpoint_writer.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
@@ -85,7 +87,9 @@ int main(int argc, char** argv) {
   try {
     auto info = dtrain::LaunchInfo::from_env();
     auto comm = dtrain::init_communicator(info, o);
-    if (scenario == "collectives") {
+    if (argc == 4 && dtrain::testing::run_amp_scenario(scenario, comm, argv[3])) {
+      // grad_scaler_* and autocast_*: tests/worker/amp_scenarios.h
+    } else if (scenario == "collectives") {
       collectives(*comm);
     } else if (scenario == "desync_size") {
       at::Tensor t = at::ones({1024 >> info.rank});

@@ -1,0 +1,61 @@
+// Mixed precision for any strategy: ATen's autocast around the forward pass.
+//
+//   const dtrain::Autocast amp{c10::kCPU, c10::kBFloat16};
+//   at::Tensor loss = strategy->forward([&] {
+//     dtrain::AutocastGuard guard(amp);      // matmuls and linears of this forward in bf16
+//     return loss_fn(model->forward(x), y);  // loss_fn should compute in fp32 (see below)
+//   });
+//   strategy->backward(loss);                // outside the guard, as in PyTorch
+//
+// What stays fp32: the parameters (the optimizer steps fp32 master weights; each weight is
+// cast to the low dtype once per forward and the cast is cached until the outermost guard
+// ends), their gradients (autograd casts the gradient of each cast back to fp32), the
+// optimizer state, and every op autocast keeps in fp32 (its fp32 list: losses such as
+// cross_entropy and nll_loss on both devices; on CUDA also softmax, layer_norm, ...). The
+// residual stream of a pre-LayerNorm transformer stays fp32 because fp32 + bf16 promotes to
+// fp32. Cast a low-precision output to fp32 before a loss that autocast does not list.
+//
+// Works with every strategy because it only changes which kernels the forward runs:
+// SingleDevice and DataParallel see fp32 gradients as usual; FullyShardedDataParallel with
+// fp32 parameters too (its MixedPrecision::param_dtype is the other way: the gathered
+// parameters themselves in bf16). Activation checkpointing (dtrain::checkpoint) re-enters
+// the same autocast state for its recompute.
+//
+// fp16 needs loss scaling against gradient underflow (dtrain/grad_scaler.h); bf16 has fp32's
+// range and needs none.
+#pragma once
+
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+
+namespace dtrain {
+
+struct Autocast {
+  // The device type whose ops are autocast: kCPU or kCUDA (tensors of other devices are not
+  // affected).
+  c10::DeviceType device = c10::DeviceType::CPU;
+  // The low-precision dtype: kBFloat16 (CPU and CUDA) or kHalf (CUDA only: LibTorch's CPU
+  // autocast supports bf16 only).
+  c10::ScalarType dtype = c10::ScalarType::BFloat16;
+};
+
+// Enables `autocast` on this thread for the guard's scope and restores the previous
+// autocast state after it; guards nest. When the outermost guard ends, the cache of weight
+// casts is cleared, so the next forward casts the updated weights again. Throws
+// InvalidArgument for an unsupported device or dtype (e.g. kHalf on CPU).
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(const Autocast& autocast);
+  ~AutocastGuard();
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool cpu_, cuda_;
+  c10::ScalarType cpu_dtype_, cuda_dtype_;
+};
+
+// Throws InvalidArgument naming the problem when `autocast` is not supported.
+void check_autocast(const Autocast& autocast);
+
+}  // namespace dtrain
