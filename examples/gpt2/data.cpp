@@ -17,35 +17,12 @@
 
 #include <dtrain/errors.h>
 
+#include "split_mix64.h"
+
 namespace gpt2 {
 namespace fs = std::filesystem;
 
 namespace {
-
-// SplitMix64: tiny, and its output is fixed by its definition, unlike std::shuffle's or
-// std::uniform_int_distribution's, which differ between standard libraries. Every rank and
-// every machine must draw the same permutation.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t next() {
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, bound), without modulo bias.
-  uint64_t below(uint64_t bound) {
-    const uint64_t threshold = (0 - bound) % bound;
-    while (true) {
-      const uint64_t r = next();
-      if (r >= threshold) return r % bound;
-    }
-  }
-
- private:
-  uint64_t state_;
-};
 
 uint64_t fnv1a(std::string_view bytes, uint64_t hash = 0xcbf29ce484222325ull) {
   for (const char c : bytes) {
@@ -149,8 +126,7 @@ void default_warn(const std::string& message) {
 std::vector<int64_t> sequence_order(int64_t n, uint64_t seed, int64_t epoch) {
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
-  // Mixing (seed, epoch) through one SplitMix64 step keeps nearby seeds and epochs apart.
-  SplitMix64 rng(SplitMix64(seed).next() ^ static_cast<uint64_t>(epoch) * 0xd1b54a32d192ed03ull);
+  SplitMix64 rng(SplitMix64::stream_seed(seed, static_cast<uint64_t>(epoch)));
   for (int64_t i = n - 1; i > 0; --i) {
     std::swap(order[i], order[rng.below(static_cast<uint64_t>(i) + 1)]);
   }

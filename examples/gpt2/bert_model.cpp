@@ -1,0 +1,133 @@
+#include "bert_model.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/transformerlayer.h>
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "dtrain/errors.h"
+#include "lm_head_loss.h"
+#include "model.h"
+
+namespace bert {
+
+void BertConfig::validate() const {
+  if (vocab_size <= 0 || context <= 0 || layers <= 0 || heads <= 0 || dim <= 0 || ffn_dim <= 0) {
+    throw dtrain::InvalidArgument("BERT config: every dimension must be positive, got " +
+                                  to_string());
+  }
+  if (dim % heads != 0) {
+    throw dtrain::InvalidArgument(
+        fmt::format("BERT config: dim {} is not a multiple of heads {}", dim, heads));
+  }
+  if (!(dropout >= 0.0 && dropout < 1.0)) {
+    throw dtrain::InvalidArgument(fmt::format("BERT config: dropout {} is not in [0, 1)", dropout));
+  }
+}
+
+std::string BertConfig::to_string() const {
+  return fmt::format("layers={} heads={} dim={} ffn={} context={} vocab={} dropout={}", layers,
+                     heads, dim, ffn_dim, context, vocab_size, dropout);
+}
+
+BertConfig preset(const std::string& name) {
+  BertConfig c;
+  if (name == "bert-tiny") {
+    c.layers = 4, c.heads = 4, c.dim = 256, c.ffn_dim = 1024, c.context = 128;
+  } else if (name == "bert") {
+    c.layers = 10, c.heads = 7, c.dim = 448, c.ffn_dim = 1792, c.context = 128;
+  } else {
+    throw dtrain::InvalidArgument(fmt::format("unknown BERT preset '{}' (one of: {})", name,
+                                              fmt::join(preset_names(), ", ")));
+  }
+  return c;
+}
+
+std::vector<std::string> preset_names() { return {"bert-tiny", "bert"}; }
+
+bool is_preset(const std::string& name) {
+  const auto names = preset_names();
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+int64_t count_parameters(const BertConfig& c) {
+  const int64_t d = c.dim, f = c.ffn_dim;
+  const int64_t layer = 3 * d * d + 3 * d  // self_attn.in_proj (q, k, v)
+                        + d * d + d        // self_attn.out_proj
+                        + d * f + f        // linear1
+                        + f * d + d        // linear2
+                        + 2 * 2 * d;       // norm1, norm2
+  return c.vocab_size * d + c.context * d + c.layers * layer + 2 * d;
+}
+
+BertImpl::BertImpl(const BertConfig& config)
+    : tok_embed(nullptr), pos_embed(nullptr), layers(nullptr), ln_f(nullptr), config_(config) {
+  config_.validate();
+  tok_embed = register_module("tok_embed", torch::nn::Embedding(config_.vocab_size, config_.dim));
+  pos_embed = register_module("pos_embed", torch::nn::Embedding(config_.context, config_.dim));
+  layers = register_module("layers", torch::nn::Sequential());
+  for (int64_t i = 0; i < config_.layers; ++i) {
+    layers->push_back(torch::nn::TransformerEncoderLayer(
+        torch::nn::TransformerEncoderLayerOptions(config_.dim, config_.heads)
+            .dim_feedforward(config_.ffn_dim)
+            .dropout(config_.dropout)
+            .activation(torch::kGELU)));
+  }
+  ln_f = register_module(
+      "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({config_.dim}).eps(1e-5)));
+  reset_parameters();
+}
+
+void BertImpl::reset_parameters() {
+  namespace init = torch::nn::init;
+  c10::NoGradGuard no_grad;
+  // By shape and module type rather than by name, so it holds for whatever the stock layers
+  // register: matrices are embedding or Linear weights, other vectors are biases.
+  for (at::Tensor& p : parameters(/*recurse=*/true)) {
+    if (p.dim() >= 2) {
+      init::normal_(p, 0.0, 0.02);
+    } else {
+      init::zeros_(p);
+    }
+  }
+  for (const auto& m : modules(/*include_self=*/false)) {
+    if (auto* norm = m->as<torch::nn::LayerNorm>()) init::ones_(norm->weight);
+  }
+}
+
+at::Tensor BertImpl::hidden(const at::Tensor& idx) {
+  const int64_t T = idx.size(1);
+  if (T > config_.context) {
+    throw dtrain::InvalidArgument(fmt::format(
+        "BERT forward: sequence of {} tokens exceeds the context {}", T, config_.context));
+  }
+  at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
+  at::Tensor x = tok_embed->forward(idx) + pos_embed->forward(pos);
+  // LibTorch's encoder layers take [T, B, dim] (sequence first).
+  x = layers->forward(x.transpose(0, 1)).transpose(0, 1);
+  return ln_f->forward(x);
+}
+
+at::Tensor BertImpl::forward(const at::Tensor& idx) {
+  return at::linear(hidden(idx), tok_embed->weight);
+}
+
+at::Tensor BertImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool fused) {
+  at::Tensor h = hidden(idx);
+  at::Tensor flat_targets = targets.reshape({-1});
+  // The head and its softmax only for the masked rows (15% of them).
+  at::Tensor rows = flat_targets.ge(0).nonzero().squeeze(1);
+  if (rows.numel() == 0) {
+    throw dtrain::InvalidArgument("BERT loss: no position is masked (every target is < 0)");
+  }
+  at::Tensor hr = h.reshape({-1, config_.dim}).index_select(0, rows);
+  at::Tensor tr = flat_targets.index_select(0, rows);
+  return fused ? gpt2::fused_lm_loss(hr, tok_embed->weight, tr)
+               : gpt2::lm_loss(at::linear(hr, tok_embed->weight), tr);
+}
+
+}  // namespace bert
