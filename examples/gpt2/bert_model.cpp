@@ -9,7 +9,9 @@
 
 #include <fmt/format.h>
 
+#include "dtrain/activation_checkpoint.h"
 #include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
 #include "lm_head_loss.h"
 #include "model.h"
 
@@ -108,8 +110,24 @@ at::Tensor BertImpl::hidden(const at::Tensor& idx) {
   at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
   at::Tensor x = tok_embed->forward(idx) + pos_embed->forward(pos);
   // LibTorch's encoder layers take [T, B, dim] (sequence first).
-  x = layers->forward(x.transpose(0, 1)).transpose(0, 1);
-  return ln_f->forward(x);
+  x = x.transpose(0, 1);
+  if (!config_.activation_checkpointing) {
+    x = layers->forward(x);
+  } else {
+    // The registered layers, not the Sequential's entries (FSDP may have replaced those):
+    // unit_call outside the checkpoint, so that FSDP gathers a layer around its recompute
+    // in backward too. Outside FSDP unit_call is a plain call.
+    for (const auto& layer : layers->children()) {
+      x = dtrain::unit_call(*layer, [&] {
+        return dtrain::checkpoint(
+            [layer](const at::Tensor& in) {
+              return layer->as<torch::nn::TransformerEncoderLayer>()->forward(in);
+            },
+            x);
+      });
+    }
+  }
+  return ln_f->forward(x.transpose(0, 1));
 }
 
 at::Tensor BertImpl::forward(const at::Tensor& idx) {

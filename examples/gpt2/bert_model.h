@@ -5,9 +5,11 @@
 // a torch::nn::Sequential, a final LayerNorm, and an MLM head tied to the token embedding
 // (logits = hidden @ tok_embed^T; no parameter of its own).
 //
-// The model's code never mentions dtrain: the layers are stock modules reached only through
-// Sequential::forward, and FullyShardedDataParallel makes each of them a unit with
-// wrap_modules_named("TransformerEncoderLayer") and no model edit (see dtrain/fsdp.h).
+// The layers are stock modules reached only through Sequential::forward, and
+// FullyShardedDataParallel makes each of them a unit with
+// wrap_modules_named("TransformerEncoderLayer") and no model edit (see dtrain/fsdp.h). Only
+// activation checkpointing (BertConfig::activation_checkpointing) calls the layers one by
+// one, each recompute inside dtrain::unit_call, as GPT-2's blocks do.
 //
 // Parameter names: "tok_embed.weight", "pos_embed.weight", "layers.3.self_attn.in_proj_weight",
 // "layers.3.linear1.weight", "layers.3.norm2.bias", ..., "ln_f.weight".
@@ -38,6 +40,9 @@ struct BertConfig {
   // Dropout inside the stock layers. 0 (the presets): ranks would otherwise draw different
   // dropout masks and DDP/FSDP could not be compared with single-device training step by step.
   double dropout = 0.0;
+  // Recompute every layer's forward during backward instead of keeping its activations
+  // (dtrain::checkpoint): only the layers' inputs stay alive, for one more forward's time.
+  bool activation_checkpointing = false;
 
   // Throws dtrain::InvalidArgument when a dimension is not positive, dim % heads != 0 or
   // dropout is outside [0, 1).

@@ -151,6 +151,36 @@ TEST(BertModel, MlmLossCountsOnlyPredictedPositions) {
                dtrain::InvalidArgument);
 }
 
+// Activation checkpointing recomputes each layer in backward: same loss, same gradients, and
+// the same parameters (no module added or renamed).
+TEST(BertModel, ActivationCheckpointingKeepsLossAndGradients) {
+  BertConfig c = small();
+  at::manual_seed(6);
+  Bert plain(c);
+  c.activation_checkpointing = true;
+  at::manual_seed(6);
+  Bert checkpointed(c);
+  const at::Tensor idx = at::randint(60, {3, 16}, at::kLong);
+  at::Tensor targets = at::full({3, 16}, kIgnoreTarget, at::kLong);
+  targets.index_put_({0, 2}, 7);
+  targets.index_put_({1, 9}, 11);
+  targets.index_put_({2, 0}, 3);
+  const at::Tensor a = plain->loss(idx, targets);
+  const at::Tensor b = checkpointed->loss(idx, targets);
+  EXPECT_EQ(a.item<double>(), b.item<double>());
+  a.backward();
+  b.backward();
+  const auto want = plain->named_parameters();
+  const auto got = checkpointed->named_parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& item : want) {
+    const at::Tensor* g = got.find(item.key());
+    ASSERT_NE(g, nullptr) << item.key();
+    ASSERT_TRUE(g->grad().defined()) << item.key();
+    EXPECT_TRUE(at::allclose(g->grad(), item.value().grad(), 1e-5, 1e-7)) << item.key();
+  }
+}
+
 // A tiny BERT learns to fill in masked tokens from their context: in this text every
 // 16-token sequence repeats one of 13 tokens, so the masked token is whatever the rest of the
 // sequence holds. The MLM loss must fall from ln 61 ~ 4.1 far below the 2.56 nats (ln 13) of a
