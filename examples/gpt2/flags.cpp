@@ -7,12 +7,15 @@
 #include <absl/flags/usage.h>
 #include <absl/flags/usage_config.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "dtrain/errors.h"
 
@@ -47,12 +50,16 @@ ABSL_FLAG(int, timeout_s, 300,
 
 // Model
 ABSL_FLAG(std::string, model, "tiny",
-          "Preset: tiny (4 layers, 4 heads, dim 256, ctx 128; 16.1M parameters), paper-27m (6, "
-          "6, 360, 256; 27.5M), gpt2 (12, 12, 768, 1024; 124M). The flags below override "
-          "single dimensions.");
+          "Preset. GPT-2, a causal language model: tiny (4 layers, 4 heads, dim 256, ctx 128; "
+          "16.1M parameters), paper-27m (6, 6, 360, 256; 27.5M), gpt2 (12, 12, 768, 1024; "
+          "124M). BERT, a masked language model (15% of positions predicted, docs/bert.md): "
+          "bert-tiny (4, 4, 256, ctx 128, feed-forward 1024; 16.1M), bert (10, 7, 448, 128, "
+          "1792; 46.7M). The flags below override single dimensions. BERT runs have no text "
+          "sample and refuse --export and --init_from (Hugging Face GPT-2 weights).");
 ABSL_FLAG(int64_t, layers, 0, "Transformer blocks (0: the preset's).");
 ABSL_FLAG(int64_t, heads, 0, "Attention heads; must divide --dim (0: the preset's).");
-ABSL_FLAG(int64_t, dim, 0, "Embedding width (0: the preset's).");
+ABSL_FLAG(int64_t, dim, 0,
+          "Embedding width (0: the preset's). BERT: the feed-forward width becomes 4 x dim.");
 ABSL_FLAG(int64_t, ctx, 0, "Context length; also the training sequence length (0: the preset's).");
 ABSL_FLAG(int64_t, vocab, 0,
           "Embedding rows (0: the tokenizer's vocabulary). May exceed it, e.g. 50304 for "
@@ -213,13 +220,44 @@ E choose(const std::string& value, std::initializer_list<std::pair<const char*, 
   throw dtrain::InvalidArgument(message);
 }
 
+// --model and the dimension flags into c.model_kind and c.gpt or c.bert (the other keeps
+// its defaults).
+void read_model(Config& c) {
+  c.model = absl::GetFlag(FLAGS_model);
+  const int64_t layers = absl::GetFlag(FLAGS_layers), heads = absl::GetFlag(FLAGS_heads);
+  const int64_t dim = absl::GetFlag(FLAGS_dim), ctx = absl::GetFlag(FLAGS_ctx);
+  const bool checkpointing = absl::GetFlag(FLAGS_activation_checkpointing);
+  if (bert::is_preset(c.model)) {
+    c.model_kind = ModelKind::kBert;
+    c.bert = bert::preset(c.model);
+    if (layers > 0) c.bert.layers = layers;
+    if (heads > 0) c.bert.heads = heads;
+    if (dim > 0) c.bert.dim = dim, c.bert.ffn_dim = 4 * dim;
+    if (ctx > 0) c.bert.context = ctx;
+    c.bert.activation_checkpointing = checkpointing;
+    return;
+  }
+  const auto names = preset_names();
+  check(std::find(names.begin(), names.end(), c.model) != names.end(),
+        fmt::format("--model must be a GPT-2 preset ({}) or a BERT preset ({}), got '{}'",
+                    fmt::join(names, ", "), fmt::join(bert::preset_names(), ", "), c.model));
+  c.model_kind = ModelKind::kGpt2;
+  c.gpt = preset(c.model);
+  if (layers > 0) c.gpt.layers = layers;
+  c.gpt.activation_checkpointing = checkpointing;
+  if (heads > 0) c.gpt.heads = heads;
+  if (dim > 0) c.gpt.dim = dim;
+  if (ctx > 0) c.gpt.context = ctx;
+}
+
 }  // namespace
 
 std::vector<char*> parse_command_line(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "trains GPT-2 with one strategy and reports throughput, memory, time per epoch, "
-      "gradient norm and loss.\n\n"
+      "trains GPT-2 (or BERT, --model bert-tiny | bert) with one strategy and reports "
+      "throughput, memory, time per epoch, gradient norm and loss.\n\n"
       "  gpt2_train --strategy single --batch 8 --metrics_out single.jsonl\n"
+      "  gpt2_train --model bert-tiny --strategy fsdp --nproc 2 --batch 4\n"
       "  gpt2_train --strategy ddp --nproc 2 --batch 4\n"
       "  gpt2_train --strategy fsdp --nproc 2 --batch 4 --precision bf16\n"
       "  dtrain-run --nproc_per_node 2 -- gpt2_train --strategy ddp --batch 4\n\n"
@@ -239,13 +277,7 @@ Config config_from_flags() {
   using dtrain::BackwardPrefetch;
   using dtrain::ShardingStrategy;
   Config c;
-  c.model = absl::GetFlag(FLAGS_model);
-  c.gpt = preset(c.model);
-  if (absl::GetFlag(FLAGS_layers) > 0) c.gpt.layers = absl::GetFlag(FLAGS_layers);
-  c.gpt.activation_checkpointing = absl::GetFlag(FLAGS_activation_checkpointing);
-  if (absl::GetFlag(FLAGS_heads) > 0) c.gpt.heads = absl::GetFlag(FLAGS_heads);
-  if (absl::GetFlag(FLAGS_dim) > 0) c.gpt.dim = absl::GetFlag(FLAGS_dim);
-  if (absl::GetFlag(FLAGS_ctx) > 0) c.gpt.context = absl::GetFlag(FLAGS_ctx);
+  read_model(c);
 
   const std::string strategy = absl::GetFlag(FLAGS_strategy);
   c.strategy =
@@ -310,8 +342,10 @@ Config config_from_flags() {
   }
   check(c.loss_scale_value > 0 && std::isfinite(c.loss_scale_value) && c.loss_scale_interval >= 1,
         "--loss_scale_init must be positive and --loss_scale_interval at least 1");
-  c.gpt.vocab_size = 1;  // set from the tokenizer later; keeps validate() meaningful now
+  // vocab_size is set from the tokenizer later; 1 keeps validate() meaningful now.
+  c.gpt.vocab_size = c.bert.vocab_size = 1;
   c.gpt.validate();
+  c.bert.validate();
 
   c.vocab = absl::GetFlag(FLAGS_vocab);
   c.batch = absl::GetFlag(FLAGS_batch);
@@ -377,6 +411,12 @@ Config config_from_flags() {
   c.malloc_tuning = absl::GetFlag(FLAGS_malloc_tuning);
   c.export_path = absl::GetFlag(FLAGS_export);
   c.init_from = absl::GetFlag(FLAGS_init_from);
+  if (c.model_kind == ModelKind::kBert) {
+    check(c.export_path.empty() && c.init_from.empty(),
+          fmt::format("--export and --init_from write and read Hugging Face GPT-2 weights; "
+                      "--model {} is BERT (its weights are in --ckpt_dir checkpoints)",
+                      c.model));
+  }
 
   // Checked after the rest, as main() did before the Config held them.
   c.nproc = absl::GetFlag(FLAGS_nproc);

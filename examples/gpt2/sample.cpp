@@ -13,14 +13,20 @@
 namespace gpt2 {
 
 // A short sample from rank 0, decoded with the tokenizer. Under FSDP the full weights are
-// gathered first (a collective) into an unwrapped copy of the model.
+// gathered first (a collective) into an unwrapped copy of the model. Only a GPT-2 generates
+// text: for BERT every rank skips the sample alike.
 void Trainer::generate_sample() {
   if (c_.sample_tokens == 0) return;
-  Gpt sampler = model_;
+  Gpt sampler = task_->gpt();
+  if (sampler.is_empty()) {
+    say(fmt::format("sample: none: {} is a masked language model, which does not generate text",
+                    c_.model));
+    return;
+  }
   if (auto* fsdp = dynamic_cast<dtrain::FullyShardedDataParallel*>(strategy_.get())) {
     auto full = fsdp->full_state_dict();
     if (!rank0()) return;
-    sampler = Gpt(c_.gpt);
+    sampler = Gpt(sampler->config());
     sampler->to(device_);
     c10::NoGradGuard no_grad;
     auto params = sampler->named_parameters();
@@ -38,8 +44,8 @@ void Trainer::generate_sample() {
   at::manual_seed(static_cast<uint64_t>(c_.seed));
   const int64_t real_vocab = tokenizer_->vocab_size();
   for (int64_t i = 0; i < c_.sample_tokens; ++i) {
-    const size_t start = ids.size() > static_cast<size_t>(c_.gpt.context)
-                             ? ids.size() - static_cast<size_t>(c_.gpt.context)
+    const size_t start = ids.size() > static_cast<size_t>(c_.context())
+                             ? ids.size() - static_cast<size_t>(c_.context())
                              : 0;
     std::vector<int64_t> window(ids.begin() + static_cast<std::ptrdiff_t>(start), ids.end());
     at::Tensor x =

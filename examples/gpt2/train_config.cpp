@@ -19,6 +19,8 @@ const char* to_string(StrategyKind v) {
   return "?";
 }
 
+const char* to_string(ModelKind v) { return v == ModelKind::kBert ? "bert" : "gpt2"; }
+
 const char* to_string(DeviceKind v) { return v == DeviceKind::kCuda ? "cuda" : "cpu"; }
 
 const char* to_string(Precision v) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "bert_model.h"
 #include "dtrain/blas.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/fsdp.h"
@@ -14,6 +15,8 @@
 namespace gpt2 {
 
 enum class StrategyKind { kSingle, kDdp, kFsdp };
+// --model: a GPT-2 preset (causal language model) or a BERT preset (masked language model).
+enum class ModelKind { kGpt2, kBert };
 enum class DeviceKind { kCpu, kCuda };
 enum class Precision { kFp32, kBf16, kFp16 };
 // fused: the LM head's cross-entropy chunk by chunk (lm_head_loss.h); standard: logits first.
@@ -27,6 +30,7 @@ enum class TokenizerKind { kGpt2, kByte };
 enum class LossScaleKind { kNone, kDynamic, kFixed };
 
 const char* to_string(StrategyKind v);
+const char* to_string(ModelKind v);
 const char* to_string(DeviceKind v);
 const char* to_string(Precision v);
 const char* to_string(CommHookKind v);
@@ -44,10 +48,13 @@ struct Config {
   dtrain::BlasKernelPolicy blas_kernel = dtrain::BlasKernelPolicy::kAuto;
   int timeout_s = 300;
 
-  // Model
+  // Model: the preset's kind picks which of gpt and bert is used (task.h builds it); their
+  // vocab_size is set from the tokenizer when the model is built.
   std::string model;  // the preset's name
-  GptConfig gpt;      // vocab_size is set from the tokenizer once it is loaded
-  int64_t vocab = 0;  // --vocab (0: the tokenizer's)
+  ModelKind model_kind = ModelKind::kGpt2;
+  GptConfig gpt;
+  bert::BertConfig bert;
+  int64_t vocab = 0;  // --vocab (0: the tokenizer's; BERT: plus [MASK])
 
   // Data
   DataKind data = DataKind::kText;
@@ -97,6 +104,8 @@ struct Config {
   std::string export_path, init_from;
 
   bool fused_loss() const { return loss == LossKind::kFused; }
+  // The chosen model's context: the training sequence length.
+  int64_t context() const { return model_kind == ModelKind::kBert ? bert.context : gpt.context; }
   // bf16/fp16 under single and ddp: ATen autocast around the forward (fsdp: param_dtype).
   bool autocast() const { return precision != Precision::kFp32 && strategy != StrategyKind::kFsdp; }
 };

@@ -195,7 +195,7 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
 // its loss. Only the step's last micro-batch communicates gradients: the others accumulate
 // locally (Strategy::set_requires_gradient_sync; DDP in its buckets, FSDP unsharded).
 double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
-  Batch b = load_batch(train_tokens_, *train_sampler_, micro_batch);
+  Batch b = task_->load_batch(train_tokens_, *train_sampler_, micro_batch);
   at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
   strategy_->set_requires_gradient_sync(last);
   at::Tensor loss = strategy_->forward([&] { return model_loss(x, y); });
@@ -213,7 +213,7 @@ double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
 at::Tensor Trainer::model_loss(const at::Tensor& x, const at::Tensor& y) {
   std::optional<dtrain::AutocastGuard> amp;
   if (autocast_) amp.emplace(*autocast_);
-  return model_->loss(x, y, c_.fused_loss());
+  return task_->loss(x, y, c_.fused_loss());
 }
 
 // One all-gather of each rank's loss, peak RSS, model state and stop signal (every rank
@@ -253,7 +253,7 @@ double Trainer::validate() {
   if (c_.val_batches > 0) n = std::min(n, c_.val_batches);
   double sum = 0;
   for (int64_t i = 0; i < n; ++i) {
-    Batch b = load_batch(val_tokens_, *val_sampler_, i);
+    Batch b = task_->load_batch(val_tokens_, *val_sampler_, i);
     at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
     at::Tensor loss = strategy_->forward([&] { return model_loss(x, y); });
     sum += loss.item<double>();

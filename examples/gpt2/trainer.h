@@ -1,4 +1,5 @@
-// The GPT-2 trainer of one rank: one loop for every strategy. run() reads top to bottom:
+// The trainer of one rank: one loop for every strategy and every task (GPT-2 or BERT,
+// task.h). run() reads top to bottom:
 // set up (process, device and communicator, data, model and strategy, optimizer), then
 // epochs of steps, each step one record that is shown and written once, then the end of the
 // run (finish, export, sample).
@@ -25,6 +26,7 @@
 #include "op_profile.h"
 #include "records.h"
 #include "report.h"
+#include "task.h"
 #include "tokenizer.h"
 #include "train_config.h"
 
@@ -88,9 +90,10 @@ class Trainer {
   std::shared_ptr<dtrain::Store> store_;
   dtrain::CommunicatorPtr comm_;
   std::unique_ptr<Tokenizer> tokenizer_;
+  int64_t token_ids_ = 0;  // the tokenizer's ids (GPT-2's 50257 without a vocabulary)
   TokenView train_tokens_, val_tokens_;
   std::unique_ptr<DistributedSampler> train_sampler_, val_sampler_;
-  Gpt model_{nullptr};
+  std::unique_ptr<Task> task_;  // the model, its batches and its loss
   std::shared_ptr<dtrain::Strategy> strategy_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::optional<dtrain::Autocast> autocast_;    // --precision bf16/fp16 under single and ddp

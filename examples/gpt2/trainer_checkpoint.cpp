@@ -71,17 +71,18 @@ std::string Trainer::save_checkpoint(int64_t step) {
   return stats.path;
 }
 
-// --export: the full fp32 weights (gathered under FSDP, a collective) written by rank 0.
+// --export: the full fp32 weights (gathered under FSDP, a collective) written by rank 0
+// (GPT-2 only: flags.cpp refuses --export for BERT).
 void Trainer::export_weights() {
   std::vector<std::pair<std::string, at::Tensor>> params;
   if (auto* fsdp = dynamic_cast<dtrain::FullyShardedDataParallel*>(strategy_.get())) {
     auto full = fsdp->full_state_dict();
-    auto names = model_->named_parameters(true);
+    auto names = task_->module()->named_parameters(true);
     for (auto& [name, t] : full) {
       if (names.contains(name)) params.emplace_back(name, t);
     }
   } else {
-    for (const auto& item : model_->named_parameters(true)) {
+    for (const auto& item : task_->module()->named_parameters(true)) {
       params.emplace_back(item.key(), item.value());
     }
   }

@@ -92,10 +92,7 @@ void Trainer::setup_data() {
     tokenizer_ = make_tokenizer(tokenizer, vocab_dir);
   }
   const int64_t ids = tokenizer_ ? tokenizer_->vocab_size() : kGpt2VocabSize;
-  const int64_t vocab = c_.vocab > 0 ? c_.vocab : ids;
-  check(vocab >= ids,
-        fmt::format("--vocab {} is smaller than the {} tokenizer's {} ids", vocab, tokenizer, ids));
-  c_.gpt.vocab_size = vocab;
+  token_ids_ = ids;  // the model's rows follow from it (make_task)
 
   TokenView tokens;
   if (c_.data == DataKind::kRandom) {
@@ -131,7 +128,7 @@ void Trainer::setup_data() {
   val_tokens_ = split.val;
 
   SamplerOptions so;
-  so.seq_len = c_.gpt.context;
+  so.seq_len = c_.context();
   so.batch_size = c_.batch;
   so.rank = info_.rank;
   so.world_size = info_.world_size;
@@ -158,16 +155,14 @@ void Trainer::setup_data() {
 
 void Trainer::setup_model_and_strategy() {
   at::manual_seed(static_cast<uint64_t>(c_.seed));  // identical initial weights on every rank
-  model_ = Gpt(c_.gpt);
-  model_->to(device_);
-  say(fmt::format("model: {} ({}), {:.2f}M parameters{}", c_.model, c_.gpt.to_string(),
-                  static_cast<double>(count_parameters(c_.gpt)) / 1e6,
-                  c_.gpt.activation_checkpointing ? ", activation checkpointing" : ""));
-  if (!c_.init_from.empty()) {
-    init_from_hf_safetensors(c_.init_from, model_);
+  task_ = make_task(c_, token_ids_, device_);
+  say("model: " + task_->describe());
+  if (!c_.init_from.empty()) {  // GPT-2 only (flags.cpp)
+    Gpt gpt = task_->gpt();
+    init_from_hf_safetensors(c_.init_from, gpt);
     say(fmt::format("model: initialized from {}", c_.init_from));
   }
-  auto module = std::static_pointer_cast<torch::nn::Module>(model_.ptr());
+  std::shared_ptr<torch::nn::Module> module = task_->module();
 
   std::string details;
   switch (c_.strategy) {
@@ -192,7 +187,7 @@ void Trainer::setup_model_and_strategy() {
     }
     case StrategyKind::kFsdp: {
       dtrain::FsdpOptions o;
-      o.wrap_policy = dtrain::wrap_modules_named("BlockImpl");
+      o.wrap_policy = task_->wrap_policy();
       o.sharding = c_.sharding;
       o.backward_prefetch = c_.prefetch;
       o.forward_prefetch = c_.forward_prefetch;
@@ -265,12 +260,12 @@ Trainer::Schedule Trainer::plan_schedule() {
   s.total_steps = c_.steps > 0 ? c_.steps : c_.epochs * s.steps_per_epoch;
   s.epochs = (s.total_steps + s.steps_per_epoch - 1) / s.steps_per_epoch;
   const int64_t global_batch = c_.batch * info_.world_size * c_.grad_accum;
-  s.tokens_per_step = global_batch * c_.gpt.context;
+  s.tokens_per_step = global_batch * c_.context();
   say(
       fmt::format("schedule: {} train / {} val tokens; {} steps in {} epoch(s) of up to {} steps; "
                   "global batch {} sequences x {} tokens; {} thread(s) per rank",
                   train_tokens_.size(), val_tokens_.size(), s.total_steps, s.epochs,
-                  s.steps_per_epoch, global_batch, c_.gpt.context, threads_));
+                  s.steps_per_epoch, global_batch, c_.context(), threads_));
   return s;
 }
 

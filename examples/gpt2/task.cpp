@@ -1,0 +1,106 @@
+// The two tasks: GPT-2 next-token prediction and BERT masked-language modelling.
+#include "task.h"
+
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "bert_model.h"
+#include "mlm_data.h"
+
+namespace gpt2 {
+namespace {
+
+std::string describe_model(const std::string& preset, const std::string& dims, int64_t params,
+                           bool checkpointing) {
+  return fmt::format("{} ({}), {:.2f}M parameters{}", preset, dims,
+                     static_cast<double>(params) / 1e6,
+                     checkpointing ? ", activation checkpointing" : "");
+}
+
+class GptTask : public Task {
+ public:
+  GptTask(std::string preset, const GptConfig& config, c10::Device device)
+      : preset_(std::move(preset)), model_(config) {
+    model_->to(device);
+  }
+  std::shared_ptr<torch::nn::Module> module() const override { return model_.ptr(); }
+  dtrain::WrapPolicy wrap_policy() const override {
+    return dtrain::wrap_modules_named("BlockImpl");
+  }
+  std::string describe() const override {
+    const GptConfig& g = model_->config();
+    return describe_model(preset_, g.to_string(), count_parameters(g), g.activation_checkpointing);
+  }
+  Batch load_batch(const TokenView& tokens, const DistributedSampler& sampler,
+                   int64_t step) const override {
+    return gpt2::load_batch(tokens, sampler, step);
+  }
+  at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets, bool fused) override {
+    return model_->loss(inputs, targets, fused);
+  }
+  Gpt gpt() const override { return model_; }
+
+ private:
+  std::string preset_;
+  Gpt model_;
+};
+
+class BertTask : public Task {
+ public:
+  BertTask(std::string preset, const bert::BertConfig& config, const bert::MaskingOptions& masking,
+           c10::Device device)
+      : preset_(std::move(preset)), model_(config), masking_(masking) {
+    model_->to(device);
+  }
+  std::shared_ptr<torch::nn::Module> module() const override { return model_.ptr(); }
+  // The stock layers, entries of model_->layers: FSDP routes them itself.
+  dtrain::WrapPolicy wrap_policy() const override {
+    return dtrain::wrap_modules_named("TransformerEncoderLayer");
+  }
+  std::string describe() const override {
+    const bert::BertConfig& b = model_->config();
+    return describe_model(preset_, b.to_string(), bert::count_parameters(b),
+                          b.activation_checkpointing) +
+           fmt::format("; masked LM: {} of {} positions predicted, [MASK] id {}",
+                       bert::predicted_per_sequence(b.context, masking_), b.context,
+                       masking_.mask_id);
+  }
+  Batch load_batch(const TokenView& tokens, const DistributedSampler& sampler,
+                   int64_t step) const override {
+    return bert::load_mlm_batch(tokens, sampler, step, masking_);
+  }
+  at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets, bool fused) override {
+    return model_->loss(inputs, targets, fused);
+  }
+
+ private:
+  std::string preset_;
+  bert::Bert model_;
+  bert::MaskingOptions masking_;
+};
+
+}  // namespace
+
+std::unique_ptr<Task> make_task(const Config& c, int64_t token_ids, c10::Device device) {
+  // BERT needs one row past the tokenizer's ids for [MASK].
+  const int64_t needed = c.model_kind == ModelKind::kBert ? token_ids + 1 : token_ids;
+  const int64_t vocab = c.vocab > 0 ? c.vocab : needed;
+  check(vocab >= needed, fmt::format("--vocab {} is smaller than the {} tokenizer's {} ids{}",
+                                     vocab, to_string(c.tokenizer), token_ids,
+                                     c.model_kind == ModelKind::kBert ? " plus [MASK]" : ""));
+  if (c.model_kind == ModelKind::kGpt2) {
+    GptConfig g = c.gpt;
+    g.vocab_size = vocab;
+    return std::make_unique<GptTask>(c.model, g, device);
+  }
+  bert::BertConfig b = c.bert;
+  b.vocab_size = vocab;
+  bert::MaskingOptions m;
+  m.mask_id = token_ids;
+  m.random_vocab = token_ids;
+  m.seed = static_cast<uint64_t>(c.seed);
+  return std::make_unique<BertTask>(c.model, b, m, device);
+}
+
+}  // namespace gpt2
