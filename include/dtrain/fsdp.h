@@ -4,7 +4,9 @@
 // The model is split into units: the whole model is always the root unit; submodules chosen
 // by FsdpOptions::wrap_policy become units of their own (typically every transformer block).
 // Each unit's parameters are flattened into one padded buffer of which every rank owns
-// 1/N (its shard). The optimizer steps the shards (parameters() returns them, in fp32).
+// 1/N (its shard). The optimizer steps the shards (parameters() returns them, in fp32), or
+// with FsdpOptions::use_orig_params one view per parameter into them, so that optimizer
+// parameter groups (e.g. no weight decay on biases) work as under the other strategies.
 // Before a unit computes, its full parameters are all-gathered into the module's own
 // parameter tensors; after its forward and its backward they are freed again, so a rank
 // holds its shards plus the units in use. Gradients are reduce-scattered per unit as soon
@@ -119,6 +121,17 @@ struct FsdpOptions {
   MixedPrecision mixed_precision;
   // Which submodules are units; null: the root unit only.
   WrapPolicy wrap_policy;
+  // What the optimizer steps (PyTorch FSDP's use_orig_params). false: one flat fp32 shard
+  // per unit, which mixes parameters (parameters() returns the shards; named_parameters()
+  // throws). true: one tensor per trainable parameter, in module order, under its qualified
+  // name: this rank's part of the parameter's flattened elements as a 1-D view into the
+  // shard (the optimizer's update is the shard's), empty when the rank holds none of it.
+  // Each view's .grad shares the shard's gradient after backward(), also when it was reset
+  // to undefined (LibTorch 2.x's zero_grad()); optimizer state is per view. Memory and
+  // results are the same; the optimizer makes one update per parameter instead of per unit.
+  // Checkpoints are the same either way (optimizer state saved per parameter name). See
+  // docs/strategies.md, "Parameter groups".
+  bool use_orig_params = false;
   // HYBRID_SHARD: communicators of this rank's shard group (shard over it) and replicate
   // group (all-reduce over it); see make_hybrid_groups. Ignored by other strategies.
   CommunicatorPtr shard_group;
@@ -132,13 +145,18 @@ class FullyShardedDataParallel final : public Strategy {
   ~FullyShardedDataParallel() override;
 
   void backward(const at::Tensor& loss) override;
-  // The local fp32 shards, one per unit: what the optimizer must step.
+  // What the optimizer must step: the local fp32 shards, one per unit, or with
+  // use_orig_params the per-parameter views (see FsdpOptions::use_orig_params).
   std::vector<at::Tensor> parameters() override;
+  // use_orig_params: the views with their parameters' names and full shapes. Without it,
+  // throws InvalidArgument (a flat shard has no single parameter's name or shape).
+  std::vector<NamedParameter> named_parameters() override;
   double grad_norm() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   const StepStats& last_step_stats() const override;
   // Checkpoints: each parameter's slice is its part of this rank's fp32 shard (stepped as
-  // the shard); frozen parameters and buffers are replicated.
+  // the shard, or as its view with use_orig_params); frozen parameters and buffers are
+  // replicated.
   StateLayout state_layout() override;
   void state_loaded() override;
   void finish() override;

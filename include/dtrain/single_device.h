@@ -22,6 +22,7 @@ class SingleDevice final : public Strategy {
 
   void backward(const at::Tensor& loss) override;
   std::vector<at::Tensor> parameters() override;
+  std::vector<NamedParameter> named_parameters() override;
   double grad_norm() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   StateLayout state_layout() override;

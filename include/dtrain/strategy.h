@@ -50,6 +50,15 @@ struct StepStats {
   int64_t num_collectives = 0;     // collectives issued by the step (DDP: buckets)
 };
 
+// A tensor the optimizer steps, with the module parameter it belongs to: what optimizer
+// parameter groups are built from, the same way under every strategy.
+struct NamedParameter {
+  std::string name;  // the module parameter's qualified name, e.g. "h.0.attn.c_attn.bias"
+  // The parameter itself, or under FSDP this rank's part of it (1-D, possibly empty).
+  at::Tensor tensor;
+  std::vector<int64_t> shape;  // the module parameter's full shape: group by this, not tensor's
+};
+
 // One piece of the training state a rank holds: what checkpoints (dtrain/checkpoint.h)
 // save and load, whatever the strategy. Every parameter and buffer has one slice on every
 // rank, in the same order on every rank; a rank holding none of its elements has an empty
@@ -102,6 +111,21 @@ class Strategy {
 
   // The tensors the optimizer must step: the module's parameters, or FSDP's local shards.
   virtual std::vector<at::Tensor> parameters() = 0;
+
+  // parameters() with the module parameter each one is, in the same order, for optimizer
+  // parameter groups that are the same under every strategy:
+  //
+  //   std::vector<at::Tensor> decay, no_decay;
+  //   for (auto& p : strategy->named_parameters()) {
+  //     (p.shape.size() >= 2 ? decay : no_decay).push_back(p.tensor);
+  //   }
+  //   torch::optim::AdamW opt({torch::optim::OptimizerParamGroup(decay),
+  //                            torch::optim::OptimizerParamGroup(no_decay, no_decay_options)}, o);
+  //
+  // FSDP lists one tensor per trainable parameter only with FsdpOptions::use_orig_params
+  // (it throws InvalidArgument otherwise: a flat shard mixes parameters); each is this
+  // rank's part of the parameter, so decide by name and `shape`, not by the tensor's shape.
+  virtual std::vector<NamedParameter> named_parameters() = 0;
 
   // L2 norm of the full (global-batch, unsharded) gradient. Call after backward().
   virtual double grad_norm() = 0;

@@ -473,6 +473,9 @@ void DataParallel::backward(const at::Tensor& loss) {
   reducer_->backward(loss);
 }
 std::vector<at::Tensor> DataParallel::parameters() { return reducer_->module_->parameters(); }
+std::vector<NamedParameter> DataParallel::named_parameters() {
+  return module_named_parameters(*reducer_->module_);
+}
 StateLayout DataParallel::state_layout() {
   return replicated_state_layout(*reducer_->module_, reducer_->comm_, "replicated (ddp)");
 }

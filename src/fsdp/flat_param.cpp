@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "compat/torch_compat.h"
@@ -12,6 +13,18 @@
 #include "dtrain/errors.h"
 
 namespace dtrain::fsdp {
+namespace {
+
+// Elements [offset, offset + n) of `flat` as a tensor of its own sharing flat's memory, not
+// an autograd view (narrow() would be one): optimizers detach_() a .grad in place, which
+// autograd refuses on views.
+at::Tensor alias(const at::Tensor& flat, int64_t offset, int64_t n) {
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, {n}, {1});
+  return t;
+}
+
+}  // namespace
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
                      FlatParamOptions options)
@@ -51,6 +64,20 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
     at::Tensor& p = params_[i];
     p.set_data(full_.narrow(0, offsets_[i], p.numel()).view(p.sizes()));
   }
+  if (options_.param_views) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const ShardRange r = shard_range(i);
+      views_.push_back(alias(shard_.detach(), r.shard_offset, r.end - r.begin));
+      views_.back().requires_grad_(true);
+    }
+  }
+}
+
+const at::Tensor& FlatParam::shard_view(size_t i) const {
+  if (!options_.param_views) {
+    throw InvalidArgument("FlatParam: shard views exist only with param_views");
+  }
+  return views_.at(i);
 }
 
 FlatParam::ShardRange FlatParam::shard_range(size_t i) const {
@@ -73,6 +100,59 @@ void FlatParam::release() {
 void FlatParam::refill() {
   if (!released()) return;
   compat::refill_storage(full_, static_cast<size_t>(padded_) * full_.element_size());
+}
+
+void FlatParam::add_to_shard_grad(const at::Tensor& reduced) {
+  c10::NoGradGuard no_grad;
+  at::Tensor& grad = shard_.mutable_grad();
+  if (!options_.param_views) {
+    if (grad.defined()) {
+      grad.add_(reduced);
+    } else {
+      grad = reduced.clone();
+    }
+    return;
+  }
+  // The views' gradients still share the shard's: add in place (the usual step, and after an
+  // in-place zero_grad()).
+  auto shares = [&](size_t i) {
+    const at::Tensor& g = views_[i].grad();
+    return g.defined() && g.is_alias_of(grad) &&
+           g.storage_offset() == grad.storage_offset() + shard_range(i).shard_offset &&
+           g.numel() == views_[i].numel();
+  };
+  bool all_shared = grad.defined();
+  for (size_t i = 0; all_shared && i < views_.size(); ++i) all_shared = shares(i);
+  if (all_shared) {
+    grad.add_(reduced);
+    return;
+  }
+  // Some view's .grad was reset or replaced: the views hold the gradient so far. Padding
+  // and elements of no parameter stay what the reduction made them (zeros).
+  at::Tensor fresh = reduced.clone();
+  for (size_t i = 0; i < views_.size(); ++i) {
+    const at::Tensor& g = views_[i].grad();
+    if (g.defined() && g.numel() != views_[i].numel()) {
+      throw InvalidArgument("FSDP: the gradient of '" + names_[i] + "' has " +
+                            std::to_string(g.numel()) + " elements, its shard view " +
+                            std::to_string(views_[i].numel()));
+    }
+    if (g.defined() && g.numel() > 0) {
+      fresh.narrow(0, shard_range(i).shard_offset, g.numel()).add_(g.reshape({-1}));
+    }
+  }
+  grad = fresh;
+  for (size_t i = 0; i < views_.size(); ++i) {
+    views_[i].mutable_grad() = alias(grad, shard_range(i).shard_offset, views_[i].numel());
+  }
+}
+
+void FlatParam::zero_shard_grad() {
+  c10::NoGradGuard no_grad;
+  if (shard_.grad().defined()) shard_.mutable_grad().zero_();
+  for (auto& v : views_) {
+    if (v.grad().defined()) v.mutable_grad().zero_();
+  }
 }
 
 at::Tensor FlatParam::gather_input() const {

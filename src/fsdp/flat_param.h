@@ -11,7 +11,10 @@
 //           the module's parameters current;
 //   release / refill  free full's memory between uses while keeping its storage object, which
 //           the parameter views and autograd's saved tensors share: once refilled (and
-//           gathered into), they all see the data again.
+//           gathered into), they all see the data again;
+//   shard views (param_views) each parameter's part of the shard as a 1-D leaf of its own,
+//           sharing the shard's memory, with a .grad sharing the shard's gradient: what an
+//           optimizer with per-parameter groups steps instead of the shard.
 //
 // With one shard (no shard group) and fp32 compute, `shard` and `full` are the same memory:
 // the optimizer's update is the module's parameter, and nothing is ever released.
@@ -30,6 +33,9 @@ struct FlatParamOptions {
   int shard_size = 1;  // ranks the flat buffer is sharded over
   int shard_rank = 0;  // this rank's position among them
   c10::ScalarType param_dtype = c10::ScalarType::Float;  // dtype of `full` (compute)
+  // The optimizer steps shard_view(i) (FsdpOptions::use_orig_params), not shard(): the
+  // views' .grad are then the gradient add_to_shard_grad() adds to.
+  bool param_views = false;
 };
 
 class FlatParam {
@@ -76,6 +82,23 @@ class FlatParam {
   // copied from the shard.
   void refill();
 
+  // param_views: parameter i's part of the shard (shard_range(i)) as a 1-D leaf tensor that
+  // requires grad and shares shard()'s memory, so an optimizer step on it updates the shard
+  // in place; empty when the shard holds none of parameter i. The same tensor on every call
+  // (optimizers key their state by tensor).
+  const at::Tensor& shard_view(size_t i) const;
+  bool param_views() const { return options_.param_views; }
+
+  // Adds `reduced` (the averaged shard gradient, shard_numel elements, fp32) to the
+  // gradient the optimizer sees. Without param_views: shard()'s .grad (created when
+  // undefined). With them, the views' .grad are that gradient, whatever the caller did to
+  // them since the last step (left them, zeroed them in place, reset them to undefined as
+  // LibTorch 2.x's zero_grad() does): their sum with `reduced` becomes shard()'s .grad and
+  // every view's .grad shares its memory again.
+  void add_to_shard_grad(const at::Tensor& reduced);
+  // A failed step: the gradient the optimizer sees becomes zero (shard()'s and the views').
+  void zero_shard_grad();
+
   // What this rank contributes to the all-gather of full: the shard in the compute dtype.
   at::Tensor gather_input() const;
   // Without a shard group: full = the shard in the compute dtype (no copy when shared).
@@ -97,6 +120,7 @@ class FlatParam {
   int64_t numel_ = 0, padded_ = 0;
   at::Tensor full_;
   at::Tensor shard_;
+  std::vector<at::Tensor> views_;  // param_views only: one per parameter
   bool shares_memory_ = false;
 };
 

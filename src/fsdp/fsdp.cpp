@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <set>
 
 #include "dtrain/errors.h"
@@ -120,16 +121,46 @@ void FullyShardedDataParallel::Impl::build_units() {
   std::set<const torch::nn::Module*> submodules;
   for (auto& plan : fsdp::plan_units(module_, options_.wrap_policy)) {
     if (plan.module != module_.get()) submodules.insert(plan.module);
-    fsdp::FlatParam flat(std::move(plan.params), std::move(plan.param_names),
-                         fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_});
+    fsdp::FlatParam flat(
+        std::move(plan.params), std::move(plan.param_names),
+        fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_, options_.use_orig_params});
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }
   sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules);
+  if (!options_.use_orig_params) return;
+  // Units list parameters unit by unit; the optimizer sees them in module order, as under
+  // the other strategies.
+  std::map<std::string, NamedParameter> by_name;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    for (size_t i = 0; i < f.num_params(); ++i) {
+      by_name[f.name(i)] = NamedParameter{f.name(i), f.shard_view(i), f.param(i).sizes().vec()};
+    }
+  }
+  for (const auto& item : module_->named_parameters(true)) {
+    auto it = by_name.find(item.key());
+    if (it != by_name.end()) views_.push_back(it->second);  // frozen ones are in no unit
+  }
 }
 
-std::vector<at::Tensor> FullyShardedDataParallel::Impl::shards() const {
+std::vector<NamedParameter> FullyShardedDataParallel::Impl::named_parameters() const {
+  if (!options_.use_orig_params) {
+    throw InvalidArgument(ctx("named_parameters"),
+                          "FSDP steps one flat shard per unit, which mixes parameters: set "
+                          "FsdpOptions::use_orig_params for per-parameter tensors");
+  }
+  return views_;
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::Impl::parameters() const {
   std::vector<at::Tensor> out;
-  for (size_t k = 0; k < schedule_->num_units(); ++k) out.push_back(schedule_->unit(k).flat().shard());
+  if (options_.use_orig_params) {
+    for (const auto& v : views_) out.push_back(v.tensor);
+    return out;
+  }
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    out.push_back(schedule_->unit(k).flat().shard());
+  }
   return out;
 }
 
@@ -303,7 +334,10 @@ void FullyShardedDataParallel::finish() { impl_->finish(); }
 void FullyShardedDataParallel::backward(const at::Tensor& loss) {
   impl_->backward(loss, requires_gradient_sync());
 }
-std::vector<at::Tensor> FullyShardedDataParallel::parameters() { return impl_->shards(); }
+std::vector<at::Tensor> FullyShardedDataParallel::parameters() { return impl_->parameters(); }
+std::vector<NamedParameter> FullyShardedDataParallel::named_parameters() {
+  return impl_->named_parameters();
+}
 double FullyShardedDataParallel::grad_norm() { return impl_->grad_norm(); }
 int64_t FullyShardedDataParallel::model_state_bytes(
     const std::vector<at::Tensor>& optimizer_state) {

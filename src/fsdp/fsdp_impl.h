@@ -40,7 +40,10 @@ class FullyShardedDataParallel::Impl {
 
   const CommunicatorPtr& comm() const { return comm_; }
   const fsdp::Schedule& schedule() const { return *schedule_; }
-  std::vector<at::Tensor> shards() const;
+  // FsdpOptions::use_orig_params: the per-parameter shard views (module order), or throws.
+  std::vector<NamedParameter> named_parameters() const;
+  // What the optimizer steps: the views with use_orig_params, else the units' flat shards.
+  std::vector<at::Tensor> parameters() const;
 
  private:
   ErrorContext ctx(const char* op) const {
@@ -58,6 +61,8 @@ class FullyShardedDataParallel::Impl {
   std::unique_ptr<fsdp::Schedule> schedule_;
   // Units that are Sequential entries, routed through unit_call; restored first on destruction.
   std::unique_ptr<fsdp::SequentialUnits> sequential_units_;
+  // use_orig_params: each trainable parameter's shard view, module order.
+  std::vector<NamedParameter> views_;
   // MixedPrecision::buffer_dtype: the original dtype of each buffer that was cast, by name,
   // and the original-dtype copies the last state_layout() handed out (written back by
   // state_loaded()).

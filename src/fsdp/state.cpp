@@ -125,9 +125,10 @@ StateLayout FullyShardedDataParallel::Impl::state_layout() {
       const auto range = f.shard_range(i);
       s.begin = range.begin;
       s.end = range.end;
-      s.stepped_offset = range.shard_offset;
-      s.data = f.shard().detach().narrow(0, s.stepped_offset, s.end - s.begin);
-      s.stepped = f.shard();
+      s.data = f.shard().detach().narrow(0, range.shard_offset, s.end - s.begin);
+      // The optimizer's state for these elements is kept per view, or in the unit's shard.
+      s.stepped = f.param_views() ? f.shard_view(i) : f.shard();
+      s.stepped_offset = f.param_views() ? 0 : range.shard_offset;
       s.replica = replica;
       s.num_replicas = replicas;
       sharded.emplace(s.name, std::move(s));

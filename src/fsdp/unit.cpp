@@ -215,13 +215,7 @@ void Unit::complete_reduction() {
 
 void Unit::accumulate() {
   expect("accumulate", GradState::kReduced);
-  c10::NoGradGuard no_grad;
-  const at::Tensor& shard = flat_.shard();
-  if (shard.grad().defined()) {
-    shard.mutable_grad().add_(reduce_out_);
-  } else {
-    shard.mutable_grad() = reduce_out_.clone();
-  }
+  flat_.add_to_shard_grad(reduce_out_);
   reduce_out_ = at::Tensor();
   grad_ = GradState::kIdle;
 }
@@ -251,8 +245,7 @@ void Unit::reset() {
   grad_ = GradState::kIdle;
   pending_ = 0;
   for (size_t i = 0; i < flat_.num_params(); ++i) flat_.param(i).mutable_grad().reset();
-  const at::Tensor& shard = flat_.shard();
-  if (shard.grad().defined()) shard.mutable_grad().zero_();
+  flat_.zero_shard_grad();
 }
 
 }  // namespace dtrain::fsdp

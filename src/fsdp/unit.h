@@ -23,7 +23,8 @@
 //                 once without a shard group)
 //   REPLICATING   the reduced shard is all-reduced over the replicas (NO_SHARD, HYBRID_SHARD)
 //   REDUCED       the averaged shard gradient is ready, to be added to the shard's .grad
-//                 once every rank agreed that the step succeeded
+//                 (or its views', FlatParam::add_to_shard_grad) once every rank agreed
+//                 that the step succeeded
 //
 //   arm()                 IDLE or HELD -> ACCUMULATING
 //   gradient_arrived()    ACCUMULATING (one parameter's gradient is accumulated)

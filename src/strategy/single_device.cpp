@@ -19,6 +19,9 @@ SingleDevice::SingleDevice(std::shared_ptr<torch::nn::Module> module, SingleDevi
 void SingleDevice::backward(const at::Tensor& loss) { loss.backward(); }
 
 std::vector<at::Tensor> SingleDevice::parameters() { return module_->parameters(); }
+std::vector<NamedParameter> SingleDevice::named_parameters() {
+  return module_named_parameters(*module_);
+}
 
 double SingleDevice::grad_norm() {
   double sq = 0;

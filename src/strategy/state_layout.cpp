@@ -6,6 +6,14 @@
 
 namespace dtrain {
 
+std::vector<NamedParameter> module_named_parameters(const torch::nn::Module& module) {
+  std::vector<NamedParameter> out;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    out.push_back(NamedParameter{item.key(), item.value(), item.value().sizes().vec()});
+  }
+  return out;
+}
+
 at::Tensor flat_alias(const at::Tensor& t, const std::string& name) {
   if (!t.is_contiguous()) {
     throw InvalidArgument("checkpoint: tensor '" + name + "' is not contiguous");

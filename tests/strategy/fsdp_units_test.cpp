@@ -87,6 +87,71 @@ TEST(FsdpFlatParam, ShardRangesCoverEveryParameterExactlyOnce) {
   }
 }
 
+// FsdpOptions::use_orig_params: each parameter's part of the shard is a leaf of its own on
+// the shard's memory, and its .grad is the shard gradient's matching part after every
+// add_to_shard_grad(), whatever zero_grad() did in between.
+TEST(FsdpFlatParam, ShardViewsShareTheShardAndTheirGradientsItsGradient) {
+  // Rank 1 of 3 holds flat elements [5, 10): a's last element and all of b, none of c.
+  FlatParam f(make_params(), kNames, FlatParamOptions{3, 1, at::kFloat, /*param_views=*/true});
+  const at::Tensor& shard = f.shard();
+  const std::vector<int64_t> sizes = {1, 4, 0}, offsets = {0, 1, 0};
+  for (size_t i = 0; i < 3; ++i) {
+    const at::Tensor& v = f.shard_view(i);
+    EXPECT_TRUE(v.is_leaf() && v.requires_grad()) << kNames[i];
+    EXPECT_EQ(v.dim(), 1);
+    EXPECT_EQ(v.numel(), sizes[i]) << kNames[i];
+    EXPECT_TRUE(v.is_same(f.shard_view(i))) << "the same tensor every call";
+    if (sizes[i] > 0) {
+      EXPECT_EQ(v.data_ptr<float>(), shard.data_ptr<float>() + offsets[i]) << kNames[i];
+    }
+  }
+  auto grads_share_the_shard_gradient = [&] {
+    for (size_t i = 0; i < 2; ++i) {
+      const at::Tensor& g = f.shard_view(i).grad();
+      if (!g.defined() || g.data_ptr<float>() != shard.grad().data_ptr<float>() + offsets[i]) {
+        return false;
+      }
+    }
+    return f.shard_view(2).grad().defined() && f.shard_view(2).grad().numel() == 0;
+  };
+  f.add_to_shard_grad(at::arange(5, at::kFloat));
+  EXPECT_TRUE(at::equal(shard.grad(), at::arange(5, at::kFloat)));
+  EXPECT_TRUE(grads_share_the_shard_gradient()) << "first step";
+  EXPECT_TRUE(at::equal(f.shard_view(1).grad(), at::arange(1, 5, at::kFloat)));
+
+  // LibTorch 1.13's zero_grad(): detach_() and zero_() in place, which autograd allows only
+  // on tensors that are not views.
+  for (size_t i = 0; i < 3; ++i) {
+    at::Tensor& g = f.shard_view(i).mutable_grad();
+    g.detach_();
+    g.zero_();
+  }
+  f.add_to_shard_grad(at::ones({5}));
+  EXPECT_TRUE(at::equal(shard.grad(), at::ones({5})));
+  EXPECT_TRUE(grads_share_the_shard_gradient()) << "after zeroing in place";
+
+  // LibTorch 2.x's zero_grad() resets .grad to undefined; here b's only: a keeps its 1.
+  f.shard_view(1).mutable_grad().reset();
+  f.add_to_shard_grad(at::full({5}, 10.0));
+  EXPECT_TRUE(at::equal(shard.grad(), at::tensor({11.0f, 10.0f, 10.0f, 10.0f, 10.0f})));
+  EXPECT_TRUE(grads_share_the_shard_gradient()) << "after a reset";
+
+  // An optimizer's update of a view is the shard's.
+  const at::Tensor before = shard.detach().clone();
+  {
+    c10::NoGradGuard no_grad;
+    f.shard_view(1).sub_(f.shard_view(1).grad());
+  }
+  EXPECT_TRUE(at::equal(shard.detach(), before - at::tensor({0.0f, 10.0f, 10.0f, 10.0f, 10.0f})));
+
+  f.zero_shard_grad();
+  EXPECT_EQ(shard.grad().abs().sum().item<float>(), 0.0f);
+  EXPECT_TRUE(grads_share_the_shard_gradient());
+
+  FlatParam flat(make_params(), kNames, FlatParamOptions{3, 1, at::kFloat});
+  EXPECT_THROW(flat.shard_view(0), InvalidArgument);
+}
+
 TEST(FsdpFlatParam, ReleasedMemoryComesBackUnderTheSameStorage) {
   const auto want = copies(make_params());
   std::vector<FlatParam> ranks;
