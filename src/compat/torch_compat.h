@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -34,22 +35,28 @@ void add_post_hook(const std::shared_ptr<torch::autograd::Node>& node, Fn fn) {
       }));
 }
 
-// Frees the memory behind `t`'s storage while keeping the storage object, which autograd's
-// saved tensors and the module's parameter views share; refill_storage gives it fresh memory
-// of `nbytes`. Uses the storage's own allocator, so it works for any device.
-inline void release_storage(const at::Tensor& t) {
+inline bool storage_is_released(const at::Tensor& t) { return t.storage().nbytes() == 0; }
+
+// Moving the memory behind `t`'s storage out and in while keeping the storage object, which
+// autograd's saved tensors and the module's parameter views share: take_storage returns the
+// memory (the storage then has none), fill_storage gives it `data` of `nbytes` (from
+// storage_allocator, the storage's own, so any device works, or reused: fsdp/buffer_pool.h).
+inline at::DataPtr take_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  at::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, t.device()));
   s->set_nbytes(static_cast<size_t>(0));
+  return old;
 }
 
-inline void refill_storage(const at::Tensor& t, size_t nbytes) {
+inline void fill_storage(const at::Tensor& t, at::DataPtr data, size_t nbytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_data_ptr_noswap(std::move(data));
   s->set_nbytes(nbytes);
 }
 
-inline bool storage_is_released(const at::Tensor& t) { return t.storage().nbytes() == 0; }
+inline c10::Allocator& storage_allocator(const at::Tensor& t) {
+  return *t.storage().unsafeGetStorageImpl()->allocator();
+}
 
 // Key of `param`'s entry in torch::optim::Optimizer::state(): 1.13 keys the map by the
 // TensorImpl's address printed as a string, later releases by the address itself.

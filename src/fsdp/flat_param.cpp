@@ -43,6 +43,7 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   }
   // At least one element, so that every unit has a shard (and a collective) on every rank.
   padded_ = padded_size(std::max<int64_t>(numel_, 1), options_.shard_size);
+  if (options_.pool != nullptr && options_.shard_size > 1) options_.pool->add_user(full_bytes());
   const auto device = params_.empty() ? c10::Device(c10::kCPU) : params_.front().device();
   at::Tensor flat32 = at::zeros({padded_}, at::TensorOptions().dtype(at::kFloat).device(device));
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -94,12 +95,21 @@ void FlatParam::release() {
   // One shard: the memory is kept (it is the whole model's copy on this rank either way);
   // the next copy_shard_to_full() refreshes it.
   if (options_.shard_size == 1 || released()) return;
-  compat::release_storage(full_);
+  at::DataPtr memory = compat::take_storage(full_);
+  if (options_.pool != nullptr) options_.pool->give(std::move(memory), full_bytes());
 }
 
 void FlatParam::refill() {
   if (!released()) return;
-  compat::refill_storage(full_, static_cast<size_t>(padded_) * full_.element_size());
+  c10::Allocator& allocator = compat::storage_allocator(full_);
+  compat::fill_storage(full_,
+                       options_.pool != nullptr ? options_.pool->take(allocator, full_bytes())
+                                                : allocator.allocate(full_bytes()),
+                       full_bytes());
+}
+
+size_t FlatParam::full_bytes() const {
+  return static_cast<size_t>(padded_) * c10::elementSize(options_.param_dtype);
 }
 
 void FlatParam::add_to_shard_grad(const at::Tensor& reduced) {

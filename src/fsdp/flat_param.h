@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/buffer_pool.h"
+
 namespace dtrain::fsdp {
 
 struct FlatParamOptions {
@@ -36,6 +38,9 @@ struct FlatParamOptions {
   // The optimizer steps shard_view(i) (FsdpOptions::use_orig_params), not shard(): the
   // views' .grad are then the gradient add_to_shard_grad() adds to.
   bool param_views = false;
+  // Where full's memory comes from and goes between uses (buffer_pool.h); null: the
+  // storage's allocator. Must outlive the FlatParam.
+  BufferPool* pool = nullptr;
 };
 
 class FlatParam {
@@ -75,6 +80,8 @@ class FlatParam {
   bool shares_memory() const { return shares_memory_; }
 
   bool released() const;
+  // Bytes of full's memory when it holds data.
+  size_t full_bytes() const;
   // Frees full's memory. The storage object stays, so the parameter views keep pointing at
   // it. No effect with one shard: an unsharded configuration keeps its memory.
   void release();

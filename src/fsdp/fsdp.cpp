@@ -123,7 +123,8 @@ void FullyShardedDataParallel::Impl::build_units() {
     if (plan.module != module_.get()) submodules.insert(plan.module);
     fsdp::FlatParam flat(
         std::move(plan.params), std::move(plan.param_names),
-        fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_, options_.use_orig_params});
+        fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_, options_.use_orig_params,
+                               &buffer_pool_});
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }
   sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dtrain/fsdp.h"
+#include "fsdp/buffer_pool.h"
 #include "fsdp/schedule.h"
 #include "fsdp/sequential_units.h"
 #include "strategy/step_sync.h"
@@ -58,6 +59,9 @@ class FullyShardedDataParallel::Impl {
   FsdpOptions options_;
   int shard_size_ = 1, shard_rank_ = 0;
   c10::ScalarType param_dtype_ = c10::ScalarType::Float;
+  // Gathered-buffer memory shared by units of equal size; declared before schedule_, which
+  // holds units that point to it, so it is destroyed after them.
+  fsdp::BufferPool buffer_pool_;
   std::unique_ptr<fsdp::Schedule> schedule_;
   // Units that are Sequential entries, routed through unit_call; restored first on destruction.
   std::unique_ptr<fsdp::SequentialUnits> sequential_units_;
