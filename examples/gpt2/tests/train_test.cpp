@@ -538,10 +538,13 @@ TEST(TrainerErrors, BadLossScaleIsRefused) {
 
 // What cannot apply to BERT is refused before any rank starts, with the reason.
 TEST(TrainerErrors, BertRefusesGpt2WeightFiles) {
-  for (const char* flag : {"--export=/tmp/x.safetensors", "--init_from=/tmp/x.safetensors"}) {
+  const std::string file = temp_path("bert.safetensors");
+  for (const std::string flag : {"--export=" + file, "--init_from=" + file}) {
     RunResult r = run_trainer(
         "bert_refused",
         with(common_args(), {"--model=bert-tiny", flag, "--strategy=fsdp", "--nproc=2"}));
+    EXPECT_FALSE(std::filesystem::exists(file)) << flag;
+    std::filesystem::remove(file);
     EXPECT_EQ(r.exit_code, 1) << flag;
     EXPECT_NE(r.output.find("--export and --init_from write and read Hugging Face GPT-2 weights; "
                             "--model bert-tiny is BERT"),
