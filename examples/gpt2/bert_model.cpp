@@ -102,13 +102,7 @@ void BertImpl::reset_parameters() {
 }
 
 at::Tensor BertImpl::hidden(const at::Tensor& idx) {
-  const int64_t T = idx.size(1);
-  if (T > config_.context) {
-    throw dtrain::InvalidArgument(fmt::format(
-        "BERT forward: sequence of {} tokens exceeds the context {}", T, config_.context));
-  }
-  at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
-  at::Tensor x = tok_embed->forward(idx) + pos_embed->forward(pos);
+  at::Tensor x = gpt2::embed_tokens(tok_embed, pos_embed, idx, config_.context, "BERT");
   // LibTorch's encoder layers take [T, B, dim] (sequence first).
   x = x.transpose(0, 1);
   if (!config_.activation_checkpointing) {

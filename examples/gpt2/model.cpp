@@ -159,14 +159,19 @@ at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool 
                : lm_loss(forward(idx), targets);
 }
 
-at::Tensor GptImpl::hidden(const at::Tensor& idx) {
+at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
+                        const at::Tensor& idx, int64_t context, const char* model) {
   const int64_t T = idx.size(1);
-  if (T > config_.context) {
+  if (T > context) {
     throw dtrain::InvalidArgument(fmt::format(
-        "GPT forward: sequence of {} tokens exceeds the context {}", T, config_.context));
+        "{} forward: sequence of {} tokens exceeds the context {}", model, T, context));
   }
   at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
-  at::Tensor x = wte->forward(idx) + wpe->forward(pos);
+  return tokens->forward(idx) + positions->forward(pos);
+}
+
+at::Tensor GptImpl::hidden(const at::Tensor& idx) {
+  at::Tensor x = embed_tokens(wte, wpe, idx, config_.context, "GPT");
   for (auto& block : blocks) {
     // A no-op wrapper except under FSDP, where it gathers and frees the block's weights (and
     // gathers them again before a checkpointed block is recomputed).

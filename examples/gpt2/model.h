@@ -115,6 +115,11 @@ struct GptImpl : torch::nn::Module {
 };
 TORCH_MODULE(Gpt);
 
+// Token plus learned position embeddings [B, T, dim] of int64 ids [B, T], for GPT-2 and
+// BERT alike. Throws dtrain::InvalidArgument naming `model` when T exceeds `context`.
+at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
+                        const at::Tensor& idx, int64_t context, const char* model);
+
 // Mean cross-entropy of `logits` [B, T, V] against `targets` [B, T], computed in fp32
 // whatever the logits' dtype.
 at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
