@@ -104,8 +104,9 @@ ABSL_FLAG(double, min_lr_ratio, 0.1,
           "After warmup the learning rate follows a cosine from --lr down to lr x this at the "
           "last step.");
 ABSL_FLAG(double, weight_decay, 0.1,
-          "AdamW's decoupled weight decay, applied to every parameter (FSDP steps flat "
-          "shards, so no parameter can be exempted; the same for every strategy).");
+          "AdamW's decoupled weight decay on the weight matrices only (GPT-2's convention: "
+          "biases, LayerNorm weights and embeddings get none), the same parameters under every "
+          "strategy (FSDP steps per-parameter views of its shards).");
 ABSL_FLAG(double, clip, 1.0,
           "Clip the global gradient norm to this value (0: no clipping; the norm is still "
           "measured and reported).");

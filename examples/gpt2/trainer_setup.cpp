@@ -2,14 +2,18 @@
 // data, model and strategy, optimizer, schedule.
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <c10/util/accumulate.h>
 #include <sched.h>
 #include <torch/cuda.h>
+#include <torch/nn/modules/embedding.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -191,6 +195,7 @@ void Trainer::setup_model_and_strategy() {
       o.sharding = c_.sharding;
       o.backward_prefetch = c_.prefetch;
       o.forward_prefetch = c_.forward_prefetch;
+      o.use_orig_params = true;  // per-parameter views: AdamW's groups (setup_optimizer)
       if (c_.precision == Precision::kBf16) o.mixed_precision.param_dtype = at::kBFloat16;
       if (c_.precision == Precision::kFp16) o.mixed_precision.param_dtype = at::kHalf;
       if (c_.comm_hook == CommHookKind::kBf16) o.mixed_precision.reduce_dtype = at::kBFloat16;
@@ -230,12 +235,38 @@ void Trainer::setup_model_and_strategy() {
                   info_.world_size, device_.str(), to_string(c_.precision), details));
 }
 
-// AdamW over what the strategy steps (FSDP: its fp32 shards), and the loss scaler, which
-// agrees on skipped steps over every rank (comm_, also under hybrid sharding).
+// AdamW over what the strategy steps (FSDP: per-parameter views of its fp32 shards) in two
+// groups, as GPT-2 is trained: --weight_decay on the weight matrices, none on biases,
+// LayerNorm weights and embedding tables; the same groups under every strategy. Then the
+// loss scaler, which agrees on skipped steps over every rank (comm_, also under hybrid
+// sharding).
 void Trainer::setup_optimizer() {
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      strategy_->parameters(),
-      torch::optim::AdamWOptions(c_.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(c_.weight_decay));
+  std::set<std::string> embeddings;  // decided by module type: GPT-2's wte/wpe, BERT's tables
+  for (const auto& item : task_->module()->named_modules()) {
+    if (item.value()->as<torch::nn::Embedding>() != nullptr) {
+      embeddings.insert(item.key() + ".weight");
+    }
+  }
+  std::vector<at::Tensor> decay, exempt;
+  int64_t decay_numel = 0, exempt_numel = 0;
+  for (const auto& p : strategy_->named_parameters()) {
+    // The full shape: under FSDP the tensor is this rank's 1-D part of the parameter.
+    const bool decays = p.shape.size() >= 2 && embeddings.count(p.name) == 0;
+    (decays ? decay : exempt).push_back(p.tensor);
+    (decays ? decay_numel : exempt_numel) += c10::multiply_integers(p.shape);
+  }
+  auto options = [&](double weight_decay) {
+    return torch::optim::AdamWOptions(c_.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(
+        weight_decay);
+  };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay);
+  groups.emplace_back(exempt, std::make_unique<torch::optim::AdamWOptions>(options(0)));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options(c_.weight_decay));
+  say(fmt::format("optimizer: AdamW, weight decay {} on {} matrices ({:.2f}M), 0 on {} biases, "
+                  "norm weights and embeddings ({:.2f}M)",
+                  c_.weight_decay, decay.size(), static_cast<double>(decay_numel) / 1e6,
+                  exempt.size(), static_cast<double>(exempt_numel) / 1e6));
   if (c_.loss_scale == LossScaleKind::kNone) return;
   dtrain::GradScalerOptions o;
   o.init_scale = c_.loss_scale_value;

@@ -175,9 +175,11 @@ class OptimizerAdapter {
     for (auto& g : opt_->param_groups()) out.push_back(g.options().get_lr());
     return out;
   }
+  size_t group_count() const { return opt_->param_groups().size(); }
+  // Callers check the group count first (load_checkpoint refuses a mismatch).
   void set_learning_rates(const std::vector<double>& lrs) const {
     auto& groups = opt_->param_groups();
-    for (size_t i = 0; i < groups.size() && i < lrs.size(); ++i) groups[i].options().set_lr(lrs[i]);
+    for (size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(lrs.at(i));
   }
 
  private:
@@ -667,6 +669,13 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
                           fmt::join(kinds, ", "), fmt::join(opt.kinds(), ", ")));
         }
         for (const auto& lr : o.at("lr").as_array()) lrs.push_back(lr.as_double());
+        // As PyTorch's Optimizer.load_state_dict: groups are matched by position, so another
+        // count means the optimizer was built differently.
+        if (lrs.size() != opt.group_count()) {
+          reader.fail(fmt::format(
+              "optimizer mismatch: the checkpoint has {} parameter group(s), the optimizer {}",
+              lrs.size(), opt.group_count()));
+        }
       }
       std::map<std::string, int64_t> step_of;
       for (const auto& t : m.at("tensors").as_array()) {

@@ -319,6 +319,16 @@ TEST(Checkpoint, RefusesMismatchedAndCorruptedCheckpoints) {
     torch::optim::SGD sgd(single.parameters(), torch::optim::SGDOptions(0.1));
     expect_refused(single, &sgd, {"optimizer mismatch", "AdamW state, the optimizer is SGD"});
   }
+  // The same optimizer type in two parameter groups where the checkpoint has one.
+  {
+    auto params = single.parameters();
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>(params.begin(), params.begin() + 2));
+    groups.emplace_back(std::vector<at::Tensor>(params.begin() + 2, params.end()));
+    torch::optim::AdamW two(std::move(groups), torch::optim::AdamWOptions(1e-2));
+    expect_refused(single, &two,
+                   {"optimizer mismatch", "1 parameter group(s), the optimizer 2"});
+  }
   // A flipped byte in the data file: refused by its checksum.
   std::string bytes;
   {

@@ -244,6 +244,15 @@ TEST_F(TrainerTest, FsdpMatchesSingleOnTheGlobalBatch) {
   ASSERT_FALSE(fsdp.steps.empty());
   EXPECT_LT(fsdp.steps.back().at("model_state_mib"),
             0.7 * single_->steps.back().at("model_state_mib"));
+  // The same AdamW groups (--weight_decay on the matrices only) over FSDP's shard views.
+  auto groups = [](const std::string& out) {
+    std::smatch m;
+    return std::regex_search(out, m, std::regex("optimizer: AdamW[^\n]*")) ? m.str() : "";
+  };
+  EXPECT_TRUE(std::regex_search(groups(single_->output),
+                                std::regex("on [1-9][0-9]* matrices .* 0 on [1-9][0-9]* biases")))
+      << single_->output;
+  EXPECT_EQ(groups(fsdp.output), groups(single_->output));
 }
 
 TEST_F(TrainerTest, FsdpGradOpMatchesSingle) {
