@@ -125,20 +125,16 @@ void FlatParam::add_to_shard_grad(const at::Tensor& reduced) {
   }
   // The views' gradients still share the shard's: add in place (the usual step, and after an
   // in-place zero_grad()).
-  auto shares = [&](size_t i) {
-    const at::Tensor& g = views_[i].grad();
-    return g.defined() && g.is_alias_of(grad) &&
-           g.storage_offset() == grad.storage_offset() + shard_range(i).shard_offset &&
-           g.numel() == views_[i].numel();
-  };
   bool all_shared = grad.defined();
-  for (size_t i = 0; all_shared && i < views_.size(); ++i) all_shared = shares(i);
+  for (size_t i = 0; all_shared && i < views_.size(); ++i) all_shared = view_shares_grad(i);
   if (all_shared) {
     grad.add_(reduced);
     return;
   }
-  // Some view's .grad was reset or replaced: the views hold the gradient so far. Padding
-  // and elements of no parameter stay what the reduction made them (zeros).
+  // Some view's .grad was reset or replaced: the views hold the gradient so far (a view
+  // still sharing the old gradient keeps its memory alive). Padding and elements of no
+  // parameter stay what the reduction made them (zeros).
+  grad = at::Tensor();
   at::Tensor fresh = reduced.clone();
   for (size_t i = 0; i < views_.size(); ++i) {
     const at::Tensor& g = views_[i].grad();
@@ -155,6 +151,23 @@ void FlatParam::add_to_shard_grad(const at::Tensor& reduced) {
   for (size_t i = 0; i < views_.size(); ++i) {
     views_[i].mutable_grad() = alias(grad, shard_range(i).shard_offset, views_[i].numel());
   }
+}
+
+bool FlatParam::view_shares_grad(size_t i) const {
+  const at::Tensor& grad = shard_.grad();
+  const at::Tensor& g = views_[i].grad();
+  return grad.defined() && g.defined() && g.is_alias_of(grad) &&
+         g.storage_offset() == grad.storage_offset() + shard_range(i).shard_offset &&
+         g.numel() == views_[i].numel();
+}
+
+void FlatParam::release_unshared_shard_grad() {
+  if (!options_.param_views || !shard_.grad().defined()) return;
+  for (size_t i = 0; i < views_.size(); ++i) {
+    const at::Tensor& g = views_[i].grad();
+    if (g.defined() && g.numel() > 0 && g.is_alias_of(shard_.grad())) return;  // still used
+  }
+  shard_.mutable_grad().reset();
 }
 
 void FlatParam::zero_shard_grad() {

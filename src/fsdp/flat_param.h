@@ -103,6 +103,10 @@ class FlatParam {
   // LibTorch 2.x's zero_grad() does): their sum with `reduced` becomes shard()'s .grad and
   // every view's .grad shares its memory again.
   void add_to_shard_grad(const at::Tensor& reduced);
+  // param_views: drops shard()'s .grad once no view's .grad shares its memory (the optimizer
+  // reset them to undefined or replaced them), so a reset gradient frees its memory for the
+  // next forward and backward as it does without views. Called when a step begins.
+  void release_unshared_shard_grad();
   // A failed step: the gradient the optimizer sees becomes zero (shard()'s and the views').
   void zero_shard_grad();
 
@@ -120,6 +124,8 @@ class FlatParam {
   void add_grads_to(at::Tensor& sum);
 
  private:
+  // views_[i]'s .grad is its part of shard()'s .grad (shares the memory at its offset).
+  bool view_shares_grad(size_t i) const;
   FlatParamOptions options_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;

@@ -175,6 +175,9 @@ void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
   steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   training_forward_ = c10::GradMode::is_enabled();
   schedule_->set_gradient_sync(gradient_sync);
+  for (size_t i = 0; i < schedule_->num_units(); ++i) {
+    schedule_->unit(i).flat().release_unshared_shard_grad();
+  }
   {
     std::lock_guard<std::mutex> lock(schedule_->mutex());
     schedule_->clear_log();

@@ -152,6 +152,36 @@ TEST(FsdpFlatParam, ShardViewsShareTheShardAndTheirGradientsItsGradient) {
   EXPECT_THROW(flat.shard_view(0), InvalidArgument);
 }
 
+// A shard gradient no view uses any more (the trainer resets .grad to undefined, as 2.x's
+// zero_grad() does) is dropped when the next step begins instead of living through it.
+TEST(FsdpFlatParam, AShardGradientNoViewSharesIsReleased) {
+  FlatParam f(make_params(), kNames, FlatParamOptions{3, 1, at::kFloat, /*param_views=*/true});
+  f.add_to_shard_grad(at::arange(5, at::kFloat));
+  f.release_unshared_shard_grad();
+  ASSERT_TRUE(f.shard().grad().defined()) << "every view still shares it";
+
+  f.shard_view(1).mutable_grad().reset();  // a's part (one element) still shares it
+  f.release_unshared_shard_grad();
+  ASSERT_TRUE(f.shard().grad().defined()) << "a's gradient still shares it";
+  EXPECT_EQ(f.shard_view(0).grad().item<float>(), 0.0f);
+
+  // Every view reset; c's empty view keeps an empty alias, which holds no gradient.
+  f.shard_view(0).mutable_grad().reset();
+  ASSERT_EQ(f.shard_view(2).numel(), 0);
+  f.release_unshared_shard_grad();
+  EXPECT_FALSE(f.shard().grad().defined());
+  // The next reduction starts from zero, as for ordinary parameters after a reset.
+  f.add_to_shard_grad(at::full({5}, 2.0));
+  EXPECT_TRUE(at::equal(f.shard().grad(), at::full({5}, 2.0)));
+  EXPECT_TRUE(at::equal(f.shard_view(1).grad(), at::full({4}, 2.0)));
+
+  // Without views the shard gradient is what the optimizer steps: never dropped here.
+  FlatParam flat(make_params(), kNames, FlatParamOptions{3, 1, at::kFloat});
+  flat.add_to_shard_grad(at::ones({5}));
+  flat.release_unshared_shard_grad();
+  EXPECT_TRUE(flat.shard().grad().defined());
+}
+
 TEST(FsdpFlatParam, ReleasedMemoryComesBackUnderTheSameStorage) {
   const auto want = copies(make_params());
   std::vector<FlatParam> ranks;
