@@ -331,10 +331,15 @@ TEST(ParamGroups, PerViewOptimizerStateResumesOnAnotherWorldSize) {
   auto ref_opt = grouped_adamw(single);
   train_steps(single, *ref, *ref_opt, data, 0, kSteps, 0, kRows, c, false);
 
+  // Models are made before the ranks start: make_model seeds the global generator, which
+  // threads would share (rank 0's initialization, broadcast to all, would come out wrong).
+  std::vector<std::shared_ptr<torch::nn::Module>> before, after;
+  for (int r = 0; r < 2; ++r) before.push_back(make_model(Model::kTransformer, 7));
+  for (int r = 0; r < 3; ++r) after.push_back(make_model(Model::kTransformer, 100 + r));
   TempDir dir("param_groups");
   run_ranks(2, [&](Communicator& comm) {
     const int r = comm.rank();
-    auto m = make_model(Model::kTransformer, 7);
+    auto& m = before[r];
     FullyShardedDataParallel s(m, borrowed(comm), fsdp_options(c, HybridGroups{}));
     auto opt = grouped_adamw(s);
     train_steps(s, *m, *opt, data, 0, 2, r * 3, 3, c, false);
@@ -347,7 +352,7 @@ TEST(ParamGroups, PerViewOptimizerStateResumesOnAnotherWorldSize) {
 
   run_ranks(3, [&](Communicator& comm) {
     const int r = comm.rank();
-    auto m = make_model(Model::kTransformer, 100 + r);
+    auto& m = after[r];
     FullyShardedDataParallel s(m, borrowed(comm), fsdp_options(c, HybridGroups{}));
     auto opt = grouped_adamw(s);
     DTRAIN_CHECK(load_checkpoint(saved, s, opt.get()).step == 2, "step");
