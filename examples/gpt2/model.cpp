@@ -167,7 +167,11 @@ at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positi
         "{} forward: sequence of {} tokens exceeds the context {}", model, T, context));
   }
   at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
-  return tokens->forward(idx) + positions->forward(pos);
+  // Sparse: the dense backward would zero and fill a [vocab, dim] table (147 MiB for
+  // GPT-2 small) only to add it to the tied head's gradient (see model.h).
+  at::Tensor tok = at::embedding(tokens->weight, idx, /*padding_idx=*/-1,
+                                 /*scale_grad_by_freq=*/false, /*sparse=*/true);
+  return tok + positions->forward(pos);
 }
 
 at::Tensor GptImpl::hidden(const at::Tensor& idx) {

@@ -117,6 +117,10 @@ TORCH_MODULE(Gpt);
 
 // Token plus learned position embeddings [B, T, dim] of int64 ids [B, T], for GPT-2 and
 // BERT alike. Throws dtrain::InvalidArgument naming `model` when T exceeds `context`.
+// `tokens` must be tied to the model's output head (as in both models): its table's
+// gradient is computed sparse (B*T rows, not a zero-filled [vocab, dim] table) and
+// autograd adds it in place to the head's dense gradient for the same weight, so .grad
+// stays dense. Without a head using the weight .grad would be sparse.
 at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
                         const at::Tensor& idx, int64_t context, const char* model);
 

@@ -151,14 +151,18 @@ void Unit::stop_waiting() {
 
 void Unit::hold() {
   expect("hold", GradState::kAccumulating);
-  flat_.add_grads_to(held_);
   reshard_any();  // the unit's backward is over, as in launch_reduction()
+  flat_.add_grads_to(held_);
   grad_ = GradState::kHeld;
 }
 
 void Unit::launch_reduction() {
   expect("launch_reduction", GradState::kAccumulating);
   c10::NoGradGuard no_grad;
+  // The unit's backward is over (all its gradients arrived): its parameters go before the
+  // flat gradient is allocated, so a unit's peak is its gradients twice, not three times.
+  // A unit that got no gradient may still be sharded or gathering (prefetched).
+  reshard_any();
   at::Tensor flat;
   if (held_.defined()) {
     // The micro-batches' sum is taken in fp32, then reduced in the reduce dtype.
@@ -168,9 +172,6 @@ void Unit::launch_reduction() {
   } else {
     flat = flat_.take_grads(comms_->reduce_dtype);
   }
-  // The unit's backward is over (all its gradients arrived): its parameters can go. A unit
-  // that got no gradient may still be sharded or gathering (prefetched).
-  reshard_any();
   if (comms_->shard) {
     reduce_out_ = at::empty({flat_.shard_numel()}, flat.options());
     collective(

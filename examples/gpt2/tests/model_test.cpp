@@ -60,6 +60,35 @@ TEST(GptModel, HeadIsTiedToTokenEmbedding) {
   EXPECT_EQ(logits.abs().max().item<double>(), 0.0);
 }
 
+// The token table's gradient is computed sparse and added to the tied head's dense one:
+// .grad must come out dense and equal to the all-dense computation (repeated ids included),
+// in fp32 and bf16 (FSDP's param_dtype).
+TEST(GptModel, TiedTokenEmbeddingGradientIsDenseAndExact) {
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    at::manual_seed(2);
+    torch::nn::Embedding tokens(61, 8), positions(16, 8);
+    tokens->weight.set_data(tokens->weight.to(dtype));
+    positions->weight.set_data(positions->weight.to(dtype));
+    at::Tensor idx = at::randint(61, {3, 16}, at::kLong);
+    idx[1][3] = idx[0][0].item<int64_t>();  // a repeated id
+    at::Tensor r = at::randn({3, 16, 8}).to(dtype), head = at::randn({61, 8}).to(dtype);
+    auto loss_of = [&](const at::Tensor& x, const at::Tensor& w) {
+      return (x * r).sum() + (w * head).sum();  // `head`: a dense use of the same weight
+    };
+    loss_of(embed_tokens(tokens, positions, idx, 16, "GPT"), tokens->weight).backward();
+    at::Tensor w = tokens->weight.detach().clone().requires_grad_(true);
+    at::Tensor x = at::embedding(w, idx) + positions->weight.detach().narrow(0, 0, 16);
+    loss_of(x, w).backward();
+    const at::Tensor& got = tokens->weight.grad();
+    ASSERT_TRUE(got.defined());
+    EXPECT_EQ(got.layout(), at::kStrided) << dtype;
+    EXPECT_EQ(got.scalar_type(), dtype);
+    // bf16: the sums may round in another order (8 bits of mantissa).
+    const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+    EXPECT_TRUE(at::allclose(got.to(at::kFloat), w.grad().to(at::kFloat), tol, tol)) << dtype;
+  }
+}
+
 TEST(GptModel, OutputShapeAndInitialLoss) {
   at::manual_seed(1);
   Gpt model(small());
