@@ -6,6 +6,7 @@
 #   default fused LM-head loss, dtrain fsdp (2 ranks). PyTorch 1.13's FSDP cannot run on this CPU-only Python
 #   (it fails at import on Python 3.11 and requires CUDA), so FSDP has no peer here.
 # Output: ${OUT:-report/bench}/peer.md with medians and dtrain/PyTorch ratios.
+# STEPS (25), REPEATS (2), TORCH_MALLOC=dtrain|default (below).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${DTRAIN_BUILD_DIR:-$root/build}"
@@ -18,7 +19,18 @@ train="$build/examples/gpt2/gpt2_train"
 [ -x "$train" ] || "$root/scripts/build.sh"
 peer_same_blas_kernel
 dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1)
-py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --steps "$steps" "$@"; }
+# PyTorch runs with the malloc setting gpt2_train applies to itself (--malloc_tuning: 4 MiB
+# mmap/trim thresholds, huge pages), so the comparison measures training, not page faults
+# (docs/benchmarks.md, "Host memory"). TORCH_MALLOC=default: PyTorch as it starts.
+torch_env=()
+if [ "${TORCH_MALLOC:-dtrain}" = dtrain ] && [ -z "${GLIBC_TUNABLES:-}" ]; then
+  torch_env=(env GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=4194304)
+fi
+echo "peer: PyTorch runs with ${torch_env[*]:-its default malloc}" >&2
+py() {
+  "${torch_env[@]}" /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 \
+    --steps "$steps" "$@"
+}
 # dtrain runs twice per strategy: with the model code PyTorch's script runs (--loss standard:
 # logits, then cross_entropy) and with the example's default fused LM-head loss.
 for i in $(seq 1 "$repeats"); do
