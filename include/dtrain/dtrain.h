@@ -11,6 +11,7 @@
 #include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/fused_adamw.h"
 #include "dtrain/grad_scaler.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/launcher.h"
