@@ -70,6 +70,7 @@ struct Config {
 
   // Optimizer
   double lr = 0, min_lr_ratio = 0, weight_decay = 0, clip = 0;
+  bool fused_adamw = true;  // dtrain::FusedAdamW, else torch::optim::AdamW
   int64_t warmup_steps = 0;
 
   // Precision and communication

@@ -19,6 +19,7 @@
 
 #include "dtrain/comm_hook.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/fused_adamw.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/single_device.h"
 #include "hf_weights.h"
@@ -262,10 +263,14 @@ void Trainer::setup_optimizer() {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay);
   groups.emplace_back(exempt, std::make_unique<torch::optim::AdamWOptions>(options(0)));
-  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options(c_.weight_decay));
-  say(fmt::format("optimizer: AdamW, weight decay {} on {} matrices ({:.2f}M), 0 on {} biases, "
-                  "norm weights and embeddings ({:.2f}M)",
-                  c_.weight_decay, decay.size(), static_cast<double>(decay_numel) / 1e6,
+  if (c_.fused_adamw) {
+    optimizer_ = std::make_unique<dtrain::FusedAdamW>(std::move(groups), options(c_.weight_decay));
+  } else {
+    optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options(c_.weight_decay));
+  }
+  say(fmt::format("optimizer: AdamW{}, weight decay {} on {} matrices ({:.2f}M), 0 on {} "
+                  "biases, norm weights and embeddings ({:.2f}M)",
+                  c_.fused_adamw ? " (fused)" : "", c_.weight_decay, decay.size(), static_cast<double>(decay_numel) / 1e6,
                   exempt.size(), static_cast<double>(exempt_numel) / 1e6));
   if (c_.loss_scale == LossScaleKind::kNone) return;
   dtrain::GradScalerOptions o;

@@ -255,6 +255,16 @@ TEST_F(TrainerTest, FsdpMatchesSingleOnTheGlobalBatch) {
   EXPECT_EQ(groups(fsdp.output), groups(single_->output));
 }
 
+// The default optimizer is dtrain::FusedAdamW; LibTorch's AdamW gives the same training.
+TEST_F(TrainerTest, LibTorchAdamWMatchesTheFusedDefault) {
+  EXPECT_NE(single_->output.find("optimizer: AdamW (fused)"), std::string::npos)
+      << single_->output;
+  RunResult plain = run_trainer(
+      "single_adamw", with(common_args(), {"--strategy=single", "--batch=4", "--fused_adamw=false"}));
+  EXPECT_EQ(plain.output.find("(fused)"), std::string::npos) << plain.output;
+  expect_same_curve(*single_, plain, kFp32Tolerance);
+}
+
 TEST_F(TrainerTest, FsdpGradOpMatchesSingle) {
   RunResult fsdp = run_trainer(
       "fsdp_grad_op",
