@@ -18,9 +18,9 @@
 #include <memory>
 #include <vector>
 
-#include "dtrain/blas.h"
 #include "dtrain/fused_adamw.h"
 #include "dtrain/host_memory.h"
+#include "machine_context.h"
 
 namespace {
 
@@ -86,9 +86,7 @@ int main(int argc, char** argv) {
   dtrain::tune_host_memory();
   benchmark::AddCustomContext("huge_pages",
                               dtrain::malloc_huge_pages_requested() ? "requested" : "no");
-  const dtrain::CpuFeatures cpu = dtrain::CpuFeatures::detect();
-  benchmark::AddCustomContext("cpu", cpu.model + ", " + cpu.summary());
-  benchmark::AddCustomContext("blas", dtrain::BlasInfo::active().to_string());
+  dtrain::bench::add_machine_context();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -14,7 +14,7 @@
 #include <atomic>
 #include <string>
 
-#include "dtrain/blas.h"
+#include "machine_context.h"
 
 namespace {
 
@@ -60,14 +60,7 @@ BENCHMARK(sgemm)
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
-  const dtrain::CpuFeatures cpu = dtrain::CpuFeatures::detect();
-  const auto env = dtrain::blas_environment_from_env();
-  const auto coretype = env.find(dtrain::kOpenBlasCoretypeEnv);
-  benchmark::AddCustomContext("blas", dtrain::BlasInfo::active().to_string());
-  benchmark::AddCustomContext(dtrain::kOpenBlasCoretypeEnv,
-                              coretype == env.end() ? "(unset)" : coretype->second);
-  benchmark::AddCustomContext("cpu", cpu.model + ", " + cpu.summary());
-  benchmark::AddCustomContext("best_openblas_kernel", dtrain::best_openblas_kernel(cpu));
+  dtrain::bench::add_machine_context();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return g_wrong_result ? 1 : 0;
