@@ -9,6 +9,10 @@
 #include <memory>
 #include <utility>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "compat/torch_compat.h"
 
 namespace dtrain {
@@ -47,6 +51,11 @@ template <typename T>
 void update(T* p, const T* g, T* m, T* v, T* v_max, int64_t n, const Coefficients<T>& c,
             bool decay) {
   constexpr int64_t kGrain = 1 << 15;  // elements per task: 128 KiB of each array (float)
+#ifdef _OPENMP
+  // A no-op where LibTorch uses the same OpenMP runtime (Debian's); where it bundles its own
+  // (pip wheels), the region below runs on ours, sized as LibTorch's intra-op threads.
+  omp_set_num_threads(at::get_num_threads());
+#endif
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T gi = g[i];
