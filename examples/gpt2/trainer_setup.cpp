@@ -263,15 +263,17 @@ void Trainer::setup_optimizer() {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay);
   groups.emplace_back(exempt, std::make_unique<torch::optim::AdamWOptions>(options(0)));
+  const auto defaults = options(c_.weight_decay);
   if (c_.fused_adamw) {
-    optimizer_ = std::make_unique<dtrain::FusedAdamW>(std::move(groups), options(c_.weight_decay));
+    optimizer_ = std::make_unique<dtrain::FusedAdamW>(std::move(groups), defaults);
   } else {
-    optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options(c_.weight_decay));
+    optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), defaults);
   }
   say(fmt::format("optimizer: AdamW{}, weight decay {} on {} matrices ({:.2f}M), 0 on {} "
                   "biases, norm weights and embeddings ({:.2f}M)",
-                  c_.fused_adamw ? " (fused)" : "", c_.weight_decay, decay.size(), static_cast<double>(decay_numel) / 1e6,
-                  exempt.size(), static_cast<double>(exempt_numel) / 1e6));
+                  c_.fused_adamw ? " (fused)" : "", c_.weight_decay, decay.size(),
+                  static_cast<double>(decay_numel) / 1e6, exempt.size(),
+                  static_cast<double>(exempt_numel) / 1e6));
   if (c_.loss_scale == LossScaleKind::kNone) return;
   dtrain::GradScalerOptions o;
   o.init_scale = c_.loss_scale_value;

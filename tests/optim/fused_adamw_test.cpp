@@ -161,7 +161,8 @@ TEST(FusedAdamW, CheckpointsResumeUnderEitherOptimizer) {
     return at::cat({model->weight.detach().reshape(-1), model->bias.detach()});
   };
   const at::Tensor want = run(false, false, "");
-  for (const auto& [a, b] : {std::pair{true, false}, std::pair{false, true}, std::pair{true, true}}) {
+  const std::pair<bool, bool> orders[] = {{true, false}, {false, true}, {true, true}};
+  for (const auto& [a, b] : orders) {
     testing::TempDir dir("fused_adamw");
     const at::Tensor got = run(a, b, dir.path().string());
     EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-7))

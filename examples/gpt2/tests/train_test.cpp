@@ -259,8 +259,9 @@ TEST_F(TrainerTest, FsdpMatchesSingleOnTheGlobalBatch) {
 TEST_F(TrainerTest, LibTorchAdamWMatchesTheFusedDefault) {
   EXPECT_NE(single_->output.find("optimizer: AdamW (fused)"), std::string::npos)
       << single_->output;
-  RunResult plain = run_trainer(
-      "single_adamw", with(common_args(), {"--strategy=single", "--batch=4", "--fused_adamw=false"}));
+  RunResult plain =
+      run_trainer("single_adamw",
+                  with(common_args(), {"--strategy=single", "--batch=4", "--fused_adamw=false"}));
   EXPECT_EQ(plain.output.find("(fused)"), std::string::npos) << plain.output;
   expect_same_curve(*single_, plain, kFp32Tolerance);
 }
