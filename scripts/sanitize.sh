@@ -38,12 +38,14 @@ run_tsan() {
   clang_configure "$dir" "-fsanitize=thread" -DDTRAIN_BUILD_EXAMPLES=OFF
   cmake --build "$dir" -j "$jobs" --target dtrain_tests dtrain_test_worker
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
-  # The communication layer's tests: ranks as threads over Gloo, shared memory and the
-  # in-memory and TCP stores (the executor, Gloo pairs, shm copy loops and store server are
-  # what ThreadSanitizer can see), and their multi-process cases (workers run instrumented
-  # too). Parameterized suites carry an instantiation prefix ("WorldSizes/Collectives").
-  local suites="Store*:*Collectives.*:*ShmCollectives.*:*ShmHierarchical.*:Shm*:Consistency*"
-  suites+=":CollectiveArguments.*:CommFailure.*:ConcurrentIssuers.*:PointToPoint.*:ThreadFailures.*"
+  # The communication layer's tests: every suite defined in tests/comm/ (stores, Gloo and
+  # shared-memory collectives, hierarchical layouts, consistency, failures, rendezvous), ranks
+  # as threads and multi-process cases with instrumented workers. The filter is read from
+  # the sources so that a new suite cannot be left out; a parameterized suite carries an
+  # instantiation prefix ("WorldSizes/Collectives"), hence both patterns.
+  local suites
+  suites="$(grep -ohE '^(TEST|TEST_F|TEST_P|TYPED_TEST)\( *[A-Za-z0-9_]+' "$root"/tests/comm/*.cpp |
+    sed -E 's/.*\( *//' | sort -u | sed -E 's|(.*)|\1.*:*/\1.*|' | paste -sd: -)"
   OMP_NUM_THREADS=1 "$dir/tests/dtrain_tests" --gtest_filter="${DTRAIN_TSAN_FILTER:-$suites}"
 }
 
