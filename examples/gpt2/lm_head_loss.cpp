@@ -18,7 +18,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // Bigger chunks make the three matmuls per chunk more efficient (the weight-gradient one
-// has the chunk's rows as its inner dimension) at the cost of two chunk-sized buffers.
+// has the chunk's rows as its inner dimension) at the cost of a bigger buffer.
 constexpr int64_t kChunkBytes = int64_t{128} << 20;
 // Below this a probability is treated as underflowed (FLT_MIN is 1.2e-38).
 constexpr float kTiny = 1e-30f;
@@ -32,16 +32,17 @@ struct Pass {
 // One pass over the rows of h [N, D] in chunks. With `grads`, also the gradients of the mean
 // loss, for the chunk while its logits are at hand.
 Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, int64_t chunk,
-                bool grads) {
+                bool grads, LogitsWorkspace* workspace) {
   const int64_t N = h.size(0);
   const int64_t V = w.size(0);
   const double inv_n = 1.0 / static_cast<double>(N);
   const bool fp32 = h.scalar_type() == at::kFloat;
   const auto f32 = h.options().dtype(at::kFloat);
   const int64_t rows = std::min(chunk, N);
-  // Reused by every chunk: fresh [rows, V] tensors would cost a page fault per 4 KiB each.
-  at::Tensor logits_buf = at::empty({rows, V}, f32);
-  at::Tensor probs_buf = at::empty({rows, V}, f32);
+  // One buffer for every chunk: the logits, overwritten in place by their softmax, then by
+  // the logits' gradient. A fresh [rows, V] tensor per chunk would fault in every page.
+  LogitsWorkspace local;
+  at::Tensor logits_buf = (workspace ? workspace : &local)->take(rows, V, f32);
   at::Tensor w_t = w.t();
   at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kDouble));
   Pass out;
@@ -55,22 +56,28 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
     at::Tensor hc = h.narrow(0, r0, c);
     at::Tensor tc = t.narrow(0, r0, c).unsqueeze(1);
     at::Tensor z = logits_buf.narrow(0, 0, c);
-    at::Tensor p = probs_buf.narrow(0, 0, c);
-    if (fp32) {
-      at::mm_out(z, hc, w_t);
-    } else {
-      z.copy_(at::mm(hc, w_t));  // logits in the inputs' dtype, softmax in fp32
-    }
-    // One exp per logit: the softmax (row max, exp and sum, scale, each row while it is in
-    // cache), and the loss from it as -log p[target]. Where p[target] underflows (the target's
-    // logit more than ~87 below the row's largest), that row's loss is recomputed exactly
-    // from the logits as logsumexp - logit.
-    at::_softmax_out(p, z, 1, false);
+    auto logits_of = [&](const at::Tensor& rows_h, at::Tensor out) {
+      if (fp32) {
+        at::mm_out(out, rows_h, w_t);
+      } else {
+        out.copy_(at::mm(rows_h, w_t));  // logits in the inputs' dtype, softmax in fp32
+      }
+    };
+    logits_of(hc, z);
+    // One exp per logit: the softmax in place (row max, exp and sum, scale, each row while it
+    // is in cache; every element is read before it is written), and the loss from it as
+    // -log p[target]. A second buffer for p would cost its page faults and 128 MiB.
+    at::_softmax_out(z, z, 1, false);
+    at::Tensor p = z;
     at::Tensor pt = p.gather(1, tc).squeeze(1);
     at::Tensor row_loss = pt.clamp_min(kTiny).log_().neg_();
+    // Where p[target] underflows (the target's logit more than ~87 below the row's largest),
+    // that row's loss is computed exactly as logsumexp - logit, from its logits formed again
+    // (rare: a small matmul of those rows only).
     at::Tensor tiny_rows = (pt < kTiny).nonzero().squeeze(1);
     if (tiny_rows.numel() > 0) {
-      at::Tensor zr = z.index_select(0, tiny_rows);
+      at::Tensor zr = at::empty({tiny_rows.numel(), V}, f32);
+      logits_of(hc.index_select(0, tiny_rows), zr);
       row_loss.index_copy_(
           0, tiny_rows,
           at::logsumexp(zr, 1) - zr.gather(1, tc.index_select(0, tiny_rows)).squeeze(1));
@@ -96,8 +103,8 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
 
 struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
-                            const at::Tensor& t, int64_t chunk) {
-    Pass p = run_chunks(h, w, t, chunk, /*grads=*/true);
+                            const at::Tensor& t, int64_t chunk, LogitsWorkspace* workspace) {
+    Pass p = run_chunks(h, w, t, chunk, /*grads=*/true, workspace);
     ctx->saved_data["grad_hidden"] = p.grad_hidden;
     ctx->saved_data["grad_weight"] = p.grad_weight;
     return p.loss;
@@ -121,14 +128,24 @@ struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
       gh = gh * g.to(gh.scalar_type());
       gw = gw * g.to(gw.scalar_type());
     }
-    return {gh, gw, at::Tensor(), at::Tensor()};
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
+at::Tensor LogitsWorkspace::take(int64_t rows, int64_t cols, const at::TensorOptions& options) {
+  const int64_t n = rows * cols;
+  if (!buffer_.defined() || buffer_.numel() < n || buffer_.device() != options.device()) {
+    buffer_ = at::Tensor();  // the old buffer goes before the new one is allocated
+    buffer_ = at::empty({n}, options.dtype(at::kFloat));
+  }
+  return buffer_.narrow(0, 0, n).view({rows, cols});
+}
+
 at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
-                         const at::Tensor& targets, int64_t chunk_rows) {
+                         const at::Tensor& targets, int64_t chunk_rows,
+                         LogitsWorkspace* workspace) {
   const int64_t D = hidden.size(-1);
   if (weight.dim() != 2 || weight.size(1) != D || weight.scalar_type() != hidden.scalar_type() ||
       !at::isFloatingType(hidden.scalar_type())) {
@@ -158,9 +175,9 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
       c10::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   if (!grads) {
     c10::NoGradGuard no_grad;
-    return run_chunks(h, weight, t, chunk, /*grads=*/false).loss;
+    return run_chunks(h, weight, t, chunk, /*grads=*/false, workspace).loss;
   }
-  return FusedLmLoss::apply(h, weight, t, chunk);
+  return FusedLmLoss::apply(h, weight, t, chunk, workspace);
 }
 
 }  // namespace gpt2

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "lm_head_loss.h"
+
 namespace gpt2 {
 
 struct GptConfig {
@@ -112,6 +114,8 @@ struct GptImpl : torch::nn::Module {
 
  private:
   GptConfig config_;
+  // The fused loss's logits buffer, kept between steps (lm_head_loss.h).
+  LogitsWorkspace logits_;
 };
 TORCH_MODULE(Gpt);
 
