@@ -6,7 +6,8 @@
 #   default fused LM-head loss, dtrain fsdp (2 ranks). PyTorch 1.13's FSDP cannot run on this CPU-only Python
 #   (it fails at import on Python 3.11 and requires CUDA), so FSDP has no peer here.
 # Output: ${OUT:-report/bench}/peer.md with medians and dtrain/PyTorch ratios.
-# STEPS (25), REPEATS (2), TORCH_MALLOC=dtrain|default (below).
+# STEPS (25), REPEATS (2), TORCH_MALLOC=dtrain|default (below), OMP_WAIT_POLICY (PASSIVE;
+# "default": libgomp's own, see peer-setup.sh).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${DTRAIN_BUILD_DIR:-$root/build}"

@@ -8,7 +8,14 @@ if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
   [ "$(id -u)" -ne 0 ] && sudo_cmd=sudo
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
 fi
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+# OMP_WAIT_POLICY=default runs both sides with libgomp's own default instead (idle threads
+# spin for a while before they sleep), which favours a single process using every core.
+if [ "${OMP_WAIT_POLICY:-}" = default ]; then
+  unset OMP_WAIT_POLICY
+else
+  export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+fi
+echo "peer: OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-(libgomp default)}" >&2
 
 # Both sides load the same OpenBLAS, but where it falls back to a generic kernel gpt2_train
 # selects a better one for itself (--blas_kernel auto) and PyTorch does not. Called once the
