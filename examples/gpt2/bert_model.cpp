@@ -138,7 +138,7 @@ at::Tensor BertImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool
   }
   at::Tensor hr = h.reshape({-1, config_.dim}).index_select(0, rows);
   at::Tensor tr = flat_targets.index_select(0, rows);
-  return fused ? gpt2::fused_lm_loss(hr, tok_embed->weight, tr, 0, &logits_)
+  return fused ? gpt2::fused_lm_loss(hr, tok_embed->weight, tr)
                : gpt2::lm_loss(at::linear(hr, tok_embed->weight), tr);
 }
 

@@ -26,8 +26,6 @@
 #include <string>
 #include <vector>
 
-#include "lm_head_loss.h"
-
 namespace bert {
 
 struct BertConfig {
@@ -96,8 +94,6 @@ struct BertImpl : torch::nn::Module {
 
  private:
   BertConfig config_;
-  // The fused loss's logits buffer, kept between steps (lm_head_loss.h).
-  gpt2::LogitsWorkspace logits_;
 };
 TORCH_MODULE(Bert);
 

@@ -32,7 +32,7 @@ struct Pass {
 // One pass over the rows of h [N, D] in chunks. With `grads`, also the gradients of the mean
 // loss, for the chunk while its logits are at hand.
 Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, int64_t chunk,
-                bool grads, LogitsWorkspace* workspace) {
+                bool grads) {
   const int64_t N = h.size(0);
   const int64_t V = w.size(0);
   const double inv_n = 1.0 / static_cast<double>(N);
@@ -40,9 +40,10 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
   const auto f32 = h.options().dtype(at::kFloat);
   const int64_t rows = std::min(chunk, N);
   // One buffer for every chunk: the logits, overwritten in place by their softmax, then by
-  // the logits' gradient. A fresh [rows, V] tensor per chunk would fault in every page.
-  LogitsWorkspace local;
-  at::Tensor logits_buf = (workspace ? workspace : &local)->take(rows, V, f32);
+  // the logits' gradient. A fresh [rows, V] tensor per chunk would fault in every page. It is
+  // freed on return: kept between steps it bought no measurable speed and sat in FSDP's peak
+  // (docs/benchmarks.md, "The fused loss's buffers").
+  at::Tensor logits_buf = at::empty({rows, V}, f32);
   at::Tensor w_t = w.t();
   at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kDouble));
   Pass out;
@@ -103,8 +104,8 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
 
 struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
-                            const at::Tensor& t, int64_t chunk, LogitsWorkspace* workspace) {
-    Pass p = run_chunks(h, w, t, chunk, /*grads=*/true, workspace);
+                            const at::Tensor& t, int64_t chunk) {
+    Pass p = run_chunks(h, w, t, chunk, /*grads=*/true);
     ctx->saved_data["grad_hidden"] = p.grad_hidden;
     ctx->saved_data["grad_weight"] = p.grad_weight;
     return p.loss;
@@ -128,24 +129,14 @@ struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
       gh = gh * g.to(gh.scalar_type());
       gw = gw * g.to(gw.scalar_type());
     }
-    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gh, gw, at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor LogitsWorkspace::take(int64_t rows, int64_t cols, const at::TensorOptions& options) {
-  const int64_t n = rows * cols;
-  if (!buffer_.defined() || buffer_.numel() < n || buffer_.device() != options.device()) {
-    buffer_ = at::Tensor();  // the old buffer goes before the new one is allocated
-    buffer_ = at::empty({n}, options.dtype(at::kFloat));
-  }
-  return buffer_.narrow(0, 0, n).view({rows, cols});
-}
-
 at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
-                         const at::Tensor& targets, int64_t chunk_rows,
-                         LogitsWorkspace* workspace) {
+                         const at::Tensor& targets, int64_t chunk_rows) {
   const int64_t D = hidden.size(-1);
   if (weight.dim() != 2 || weight.size(1) != D || weight.scalar_type() != hidden.scalar_type() ||
       !at::isFloatingType(hidden.scalar_type())) {
@@ -175,9 +166,9 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
       c10::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   if (!grads) {
     c10::NoGradGuard no_grad;
-    return run_chunks(h, weight, t, chunk, /*grads=*/false, workspace).loss;
+    return run_chunks(h, weight, t, chunk, /*grads=*/false).loss;
   }
-  return FusedLmLoss::apply(h, weight, t, chunk, workspace);
+  return FusedLmLoss::apply(h, weight, t, chunk);
 }
 
 }  // namespace gpt2

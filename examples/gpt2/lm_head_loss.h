@@ -5,40 +5,17 @@
 // through all of them (a zero-filled gradient the size of the logits, the log-softmax
 // backward with a second exp of every logit, two matmuls). fused_lm_loss computes the same
 // loss and gradients in chunks of rows, reusing one chunk-sized buffer: per chunk one
-// matmul for the logits, the softmax over them in place (a single exp per logit), the loss as
-// -log p[target], the gradient of the chunk's logits in place (p minus the one-hot target),
-// and the two gradient matmuls. The gradients are therefore computed during forward and backward only
-// scales them; nothing of size [B*T, vocab] outlives the call.
+// matmul for the logits, the softmax over them in place (a single exp per logit), the loss
+// as -log p[target], the gradient of the chunk's logits in place (p minus the one-hot
+// target), and the two gradient matmuls. The gradients are therefore computed during
+// forward and backward only scales them; nothing of size [B*T, vocab] outlives the call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/TensorOptions.h>
 
 #include <cstdint>
 
 namespace gpt2 {
-
-// Storage for fused_lm_loss's [chunk, V] fp32 logits, kept between calls. Without it every
-// call allocates the buffer anew (128 MiB for GPT-2 tiny at batch 8): malloc maps it afresh
-// and its first touch faults in every page, about 8 ms of a 0.5 s step on a 2-core VM
-// (docs/benchmarks.md, "The fused loss's buffers"). A model owns one and passes it to each
-// call. It grows to the largest chunk asked for and keeps that until clear(). A copy starts
-// empty, so a cloned model never shares the buffer with its original; one workspace must not
-// be used by two threads at once.
-class LogitsWorkspace {
- public:
-  LogitsWorkspace() = default;
-  LogitsWorkspace(const LogitsWorkspace&) {}
-  LogitsWorkspace& operator=(const LogitsWorkspace&) { return *this; }
-
-  // A [rows, cols] fp32 tensor on options' device, its contents unspecified.
-  at::Tensor take(int64_t rows, int64_t cols, const at::TensorOptions& options);
-  // Releases the buffer (the next take() allocates again).
-  void clear() { buffer_.reset(); }
-
- private:
-  at::Tensor buffer_;
-};
 
 // Mean over all rows of -log softmax(hidden @ weight^T)[row, target], the same value as
 // lm_loss(at::linear(hidden, weight), targets), returned as an fp32 scalar.
@@ -51,10 +28,8 @@ class LogitsWorkspace {
 // lm_loss does on a cast. A row whose target probability underflows fp32 gets its loss
 // exactly, from the logits (logsumexp minus the target's logit), never log(0). Differentiable in
 // hidden and weight; when grad mode is off or neither requires grad, only the loss is computed.
-//   workspace   where the logits buffer is kept between calls; null: a buffer per call.
 // Throws dtrain::InvalidArgument on mismatched shapes or dtypes.
 at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
-                         const at::Tensor& targets, int64_t chunk_rows = 0,
-                         LogitsWorkspace* workspace = nullptr);
+                         const at::Tensor& targets, int64_t chunk_rows = 0);
 
 }  // namespace gpt2

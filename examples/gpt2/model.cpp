@@ -155,7 +155,7 @@ at::Tensor GptImpl::forward(const at::Tensor& idx) {
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool fused) {
-  return fused ? fused_lm_loss(hidden(idx), wte->weight, targets, 0, &logits_)
+  return fused ? fused_lm_loss(hidden(idx), wte->weight, targets)
                : lm_loss(forward(idx), targets);
 }
 

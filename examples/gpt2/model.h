@@ -20,8 +20,6 @@
 #include <string>
 #include <vector>
 
-#include "lm_head_loss.h"
-
 namespace gpt2 {
 
 struct GptConfig {
@@ -114,8 +112,6 @@ struct GptImpl : torch::nn::Module {
 
  private:
   GptConfig config_;
-  // The fused loss's logits buffer, kept between steps (lm_head_loss.h).
-  LogitsWorkspace logits_;
 };
 TORCH_MODULE(Gpt);
 

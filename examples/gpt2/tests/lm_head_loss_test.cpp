@@ -8,8 +8,6 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
-#include <utility>
-#include <vector>
 
 #include "dtrain/errors.h"
 #include "lm_head_loss.h"
@@ -24,13 +22,12 @@ struct Grads {
 
 // hidden = x @ a (so hidden's gradient is checked through a's), logits = hidden @ w^T.
 Grads run(bool fused, const at::Tensor& x, const at::Tensor& a0, const at::Tensor& w0,
-          const at::Tensor& targets, int64_t chunk, double scale = 1.0,
-          LogitsWorkspace* workspace = nullptr) {
+          const at::Tensor& targets, int64_t chunk, double scale = 1.0) {
   at::Tensor a = a0.clone().requires_grad_(true);
   at::Tensor w = w0.clone().requires_grad_(true);
   at::Tensor hidden = at::matmul(x, a);
-  at::Tensor loss = fused ? fused_lm_loss(hidden, w, targets, chunk, workspace)
-                          : lm_loss(at::linear(hidden, w), targets);
+  at::Tensor loss =
+      fused ? fused_lm_loss(hidden, w, targets, chunk) : lm_loss(at::linear(hidden, w), targets);
   (loss * scale).backward();
   return {loss.detach(), a.grad(), w.grad()};
 }
@@ -95,49 +92,6 @@ TEST(FusedLmLossUnderflow, ExactLossWhenTargetProbabilityUnderflows) {
   ASSERT_TRUE(std::isfinite(got.loss.item<double>()));
   expect_close(got.loss, ref.loss, 1e-6, 0, "loss");
   expect_close(got.weight, ref.weight, 1e-5, 1e-7, "weight gradient");
-}
-
-// A kept buffer (the models pass one) must give what a fresh one gives, bit for bit, when
-// calls alternate between bigger and smaller chunks and shapes, and after an underflowing
-// row (whose logits are formed again outside the buffer).
-TEST(FusedLmLossWorkspace, KeptBufferGivesExactlyWhatAFreshOneGives) {
-  at::manual_seed(6);
-  LogitsWorkspace workspace;
-  const int64_t D = 16, V = 97;
-  at::Tensor a = at::randn({D, D}) * 0.3;
-  at::Tensor w = at::randn({V, D}) * 0.5;
-  for (const auto& [rows, chunk] : {std::pair<int64_t, int64_t>{40, 0}, {9, 4}, {40, 16},
-                                    {3, 0}, {64, 0}}) {
-    at::Tensor x = at::randn({rows, D});
-    at::Tensor targets = at::randint(V, {rows}, at::kLong);
-    Grads fresh = run(true, x, a, w, targets, chunk);
-    Grads kept = run(true, x, a, w, targets, chunk, 1.0, &workspace);
-    EXPECT_TRUE(at::equal(kept.loss, fresh.loss)) << rows << " rows, chunk " << chunk;
-    EXPECT_TRUE(at::equal(kept.upstream, fresh.upstream)) << rows << " rows, chunk " << chunk;
-    EXPECT_TRUE(at::equal(kept.weight, fresh.weight)) << rows << " rows, chunk " << chunk;
-  }
-  at::Tensor h = at::tensor({1.0f, 1.0f, -1.0f}).view({3, 1});
-  at::Tensor wu = at::tensor({200.0f, 0.0f, 0.5f}).view({3, 1});
-  at::Tensor t = at::tensor({int64_t{1}, int64_t{0}, int64_t{2}});
-  Grads ref = run(false, h, at::ones({1, 1}), wu, t, 0);
-  Grads got = run(true, h, at::ones({1, 1}), wu, t, 2, 1.0, &workspace);
-  expect_close(got.loss, ref.loss, 1e-6, 0, "loss with an underflowing target");
-}
-
-TEST(FusedLmLossWorkspace, GrowsOnlyWhenTooSmallAndCopiesStartEmpty) {
-  LogitsWorkspace a;
-  const void* first = a.take(4, 10, at::TensorOptions()).data_ptr();
-  EXPECT_EQ(a.take(3, 10, at::TensorOptions()).data_ptr(), first);  // smaller: same storage
-  at::Tensor grown = a.take(5, 10, at::TensorOptions());
-  EXPECT_EQ(grown.sizes(), (std::vector<int64_t>{5, 10}));
-  EXPECT_EQ(grown.scalar_type(), at::kFloat);
-  LogitsWorkspace b(a);  // a copied model must not write into its original's buffer
-  EXPECT_NE(b.take(5, 10, at::TensorOptions()).data_ptr(), grown.data_ptr());
-  LogitsWorkspace c;
-  c = a;
-  EXPECT_NE(c.take(5, 10, at::TensorOptions()).data_ptr(), grown.data_ptr());
-  a.clear();
-  EXPECT_NE(a.take(5, 10, at::TensorOptions()).data_ptr(), nullptr);
 }
 
 TEST(FusedLmLossBf16, CloseToUnfusedInBf16) {
