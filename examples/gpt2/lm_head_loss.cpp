@@ -23,16 +23,31 @@ constexpr int64_t kChunkBytes = int64_t{128} << 20;
 // Below this a probability is treated as underflowed (FLT_MIN is 1.2e-38).
 constexpr float kTiny = 1e-30f;
 
+// What a pass computes besides the loss.
+enum class Grads {
+  kNone,
+  // d loss / d hidden and d loss / d weight, in forward.
+  kBoth,
+  // d loss / d hidden in forward; for the weight, the logits' gradient [N, V] is kept and
+  // multiplied out in backward. Chosen when N <= D: the kept gradient is then no larger than
+  // the weight's, and the [V, D] weight gradient exists only from backward on (under FSDP
+  // the weight's unit is freed by then, docs/benchmarks.md "FSDP's tied embedding").
+  kHiddenNowWeightLater,
+  // d loss / d hidden only (the weight needs none).
+  kHidden,
+};
+
 struct Pass {
   at::Tensor loss;         // fp32 scalar
   at::Tensor grad_hidden;  // [N, D] in hidden's dtype, d loss / d hidden; undefined if not asked
-  at::Tensor grad_weight;  // [V, D] in weight's dtype
+  at::Tensor grad_weight;  // [V, D] in weight's dtype (kBoth)
+  at::Tensor grad_logits;  // [N, V] fp32, d loss / d logits times N (kHiddenNowWeightLater)
 };
 
-// One pass over the rows of h [N, D] in chunks. With `grads`, also the gradients of the mean
-// loss, for the chunk while its logits are at hand.
+// One pass over the rows of h [N, D] in chunks, with the gradients `grads` asks for, each
+// chunk's while its logits are at hand.
 Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, int64_t chunk,
-                bool grads) {
+                Grads grads) {
   const int64_t N = h.size(0);
   const int64_t V = w.size(0);
   const double inv_n = 1.0 / static_cast<double>(N);
@@ -42,21 +57,21 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
   // One buffer for every chunk: the logits, overwritten in place by their softmax, then by
   // the logits' gradient. A fresh [rows, V] tensor per chunk would fault in every page. It is
   // freed on return: kept between steps it bought no measurable speed and sat in FSDP's peak
-  // (docs/benchmarks.md, "The fused loss's buffers").
-  at::Tensor logits_buf = at::empty({rows, V}, f32);
+  // (docs/benchmarks.md, "The fused loss's buffers"). When the logits' gradient is kept, every
+  // row has its own.
+  const bool keep_logit_grads = grads == Grads::kHiddenNowWeightLater;
+  at::Tensor logits_buf = at::empty({keep_logit_grads ? N : rows, V}, f32);
   at::Tensor w_t = w.t();
   at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kDouble));
   Pass out;
   at::Tensor grad_w32;
-  if (grads) {
-    out.grad_hidden = at::empty_like(h);
-    grad_w32 = at::zeros({V, w.size(1)}, f32);
-  }
+  if (grads != Grads::kNone) out.grad_hidden = at::empty_like(h);
+  if (grads == Grads::kBoth) grad_w32 = at::zeros({V, w.size(1)}, f32);
   for (int64_t r0 = 0; r0 < N; r0 += rows) {
     const int64_t c = std::min(rows, N - r0);
     at::Tensor hc = h.narrow(0, r0, c);
     at::Tensor tc = t.narrow(0, r0, c).unsqueeze(1);
-    at::Tensor z = logits_buf.narrow(0, 0, c);
+    at::Tensor z = logits_buf.narrow(0, keep_logit_grads ? r0 : 0, c);
     auto logits_of = [&](const at::Tensor& rows_h, at::Tensor out) {
       if (fp32) {
         at::mm_out(out, rows_h, w_t);
@@ -84,30 +99,48 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
           at::logsumexp(zr, 1) - zr.gather(1, tc.index_select(0, tiny_rows)).squeeze(1));
     }
     loss_sum.add_(row_loss.sum(at::kDouble));
-    if (!grads) continue;
+    if (grads == Grads::kNone) continue;
     // d(sum of the chunk's losses)/d logits = softmax - one_hot(target), in place.
     at::Tensor dz = p;
     dz.scatter_add_(1, tc, at::full({c, 1}, -1.0f, f32));
     at::Tensor gh = out.grad_hidden.narrow(0, r0, c);
     if (fp32) {
       at::addmm_out(gh, gh, dz, w, 0.0, inv_n);  // beta 0: gh's old contents are ignored
-      grad_w32.addmm_(dz.t(), hc, 1.0, inv_n);
     } else {
       gh.copy_(at::mm(dz.to(w.scalar_type()), w).mul_(inv_n));
-      grad_w32.addmm_(dz.t(), hc.to(at::kFloat), 1.0, inv_n);
     }
+    if (grads == Grads::kBoth) grad_w32.addmm_(dz.t(), fp32 ? hc : hc.to(at::kFloat), 1.0, inv_n);
   }
   out.loss = loss_sum.mul_(inv_n).to(at::kFloat);
-  if (grads) out.grad_weight = fp32 ? grad_w32 : grad_w32.to(w.scalar_type());
+  if (grads == Grads::kBoth) out.grad_weight = fp32 ? grad_w32 : grad_w32.to(w.scalar_type());
+  if (keep_logit_grads) out.grad_logits = logits_buf;
   return out;
+}
+
+// d loss / d weight from the kept logits' gradient: (dz^T h) / N, in the weight's dtype.
+at::Tensor weight_grad_of(const at::Tensor& grad_logits, const at::Tensor& h,
+                          c10::ScalarType dtype) {
+  const double inv_n = 1.0 / static_cast<double>(h.size(0));
+  at::Tensor h32 = h.scalar_type() == at::kFloat ? h : h.to(at::kFloat);
+  at::Tensor g = at::mm(grad_logits.t(), h32).mul_(inv_n);
+  return dtype == at::kFloat ? g : g.to(dtype);
 }
 
 struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
                             const at::Tensor& t, int64_t chunk) {
-    Pass p = run_chunks(h, w, t, chunk, /*grads=*/true);
+    // Keep whichever of the weight's gradient [V, D] and the logits' [N, V] is smaller. The
+    // weight itself is never needed in backward.
+    Grads grads = Grads::kHidden;
+    if (w.requires_grad()) grads = h.size(0) <= h.size(1) ? Grads::kHiddenNowWeightLater : Grads::kBoth;
+    Pass p = run_chunks(h, w, t, chunk, grads);
     ctx->saved_data["grad_hidden"] = p.grad_hidden;
-    ctx->saved_data["grad_weight"] = p.grad_weight;
+    if (p.grad_weight.defined()) ctx->saved_data["grad_weight"] = p.grad_weight;
+    if (p.grad_logits.defined()) {
+      ctx->saved_data["grad_logits"] = p.grad_logits;
+      ctx->saved_data["hidden"] = h;  // an activation, not the weight: nothing to gather
+    }
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(w.scalar_type());
     return p.loss;
   }
 
@@ -119,15 +152,24 @@ struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
           "fused_lm_loss: backward through the same loss twice is not supported (its "
           "gradients are computed in forward and released by the first backward)");
     }
-    at::Tensor gh = ctx->saved_data["grad_hidden"].toTensor();
-    at::Tensor gw = ctx->saved_data["grad_weight"].toTensor();
+    auto saved = std::move(ctx->saved_data);
     ctx->saved_data.clear();
+    at::Tensor gh = saved["grad_hidden"].toTensor();
+    at::Tensor gw;
+    if (saved.count("grad_weight")) gw = saved["grad_weight"].toTensor();
+    if (saved.count("grad_logits")) {
+      const auto dtype = static_cast<c10::ScalarType>(saved["weight_dtype"].toInt());
+      at::Tensor dz = saved["grad_logits"].toTensor();
+      at::Tensor h = saved["hidden"].toTensor();
+      saved.clear();  // the logits' gradient goes as soon as the weight's is formed
+      gw = weight_grad_of(dz, h, dtype);
+    }
     const at::Tensor& g = grad_out[0];
     // loss.backward() seeds 1: the saved gradients are already the answer.
     const bool one = g.device().is_cpu() && g.item<double>() == 1.0;
     if (!one) {
       gh = gh * g.to(gh.scalar_type());
-      gw = gw * g.to(gw.scalar_type());
+      if (gw.defined()) gw = gw * g.to(gw.scalar_type());
     }
     return {gh, gw, at::Tensor(), at::Tensor()};
   }
@@ -166,7 +208,7 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
       c10::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   if (!grads) {
     c10::NoGradGuard no_grad;
-    return run_chunks(h, weight, t, chunk, /*grads=*/false).loss;
+    return run_chunks(h, weight, t, chunk, Grads::kNone).loss;
   }
   return FusedLmLoss::apply(h, weight, t, chunk);
 }

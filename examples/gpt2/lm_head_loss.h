@@ -7,8 +7,11 @@
 // loss and gradients in chunks of rows, reusing one chunk-sized buffer: per chunk one
 // matmul for the logits, the softmax over them in place (a single exp per logit), the loss
 // as -log p[target], the gradient of the chunk's logits in place (p minus the one-hot
-// target), and the two gradient matmuls. The gradients are therefore computed during
-// forward and backward only scales them; nothing of size [B*T, vocab] outlives the call.
+// target), and the gradient matmuls. hidden's gradient is computed during forward. So is the
+// weight's, unless there are no more rows than D: then the logits' gradient [rows, vocab],
+// no larger than the weight's [vocab, D], is kept instead and the weight's gradient formed
+// from it in backward, which keeps a [vocab, D] tensor from coexisting with the gathered
+// weight at the end of an FSDP forward. Backward never reads the weight itself.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -249,6 +249,34 @@ TEST(FsdpFlatParam, TakeGradsFlattensPadsAndClears) {
   for (size_t i = 0; i < 3; ++i) EXPECT_FALSE(f.param(i).grad().defined()) << kNames[i];
 }
 
+TEST(FsdpFlatParam, TakeGradsOfOneUnpaddedParameterTakesItsGradientWithoutACopy) {
+  // 12 elements over 4 ranks: no padding.
+  FlatParam f({at::zeros({3, 4}, at::kFloat).requires_grad_(true)}, {"w"},
+              FlatParamOptions{4, 0, at::kFloat});
+  f.param(0).mutable_grad() = at::arange(12, at::kFloat).reshape({3, 4}).clone();
+  const void* memory = f.param(0).grad().data_ptr();
+  at::Tensor flat = f.take_grads(at::kFloat);
+  EXPECT_EQ(flat.data_ptr(), memory);
+  EXPECT_TRUE(at::equal(flat, at::arange(12, at::kFloat)));
+  EXPECT_FALSE(f.param(0).grad().defined());
+
+  // Referenced elsewhere (also as a view's base), in another dtype or not contiguous: copied,
+  // the original untouched.
+  at::Tensor kept = at::arange(12, at::kFloat).view({3, 4});
+  f.param(0).mutable_grad() = kept;
+  flat = f.take_grads(at::kFloat);
+  EXPECT_NE(flat.data_ptr(), kept.data_ptr());
+  EXPECT_TRUE(at::equal(flat, kept.reshape({-1})));
+  f.param(0).mutable_grad() = at::arange(12, at::kFloat).view({3, 4});
+  flat = f.take_grads(at::kBFloat16);
+  EXPECT_EQ(flat.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(flat.to(at::kFloat), at::arange(12, at::kFloat)));
+  f.param(0).mutable_grad() = at::arange(12, at::kFloat).view({4, 3}).t();
+  flat = f.take_grads(at::kFloat);
+  EXPECT_TRUE(at::equal(flat, at::arange(12, at::kFloat).view({4, 3}).t().reshape({-1})));
+  EXPECT_FALSE(f.param(0).grad().defined());
+}
+
 // Records what a unit reports.
 struct Recorder : UnitObserver {
   std::vector<std::string> entries;

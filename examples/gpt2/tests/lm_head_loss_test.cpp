@@ -39,12 +39,14 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, double rtol, do
   EXPECT_LE(err, bound) << what << ": max abs difference " << err;
 }
 
-class FusedLmLoss : public ::testing::TestWithParam<std::tuple<int64_t, double>> {};
+// (chunk rows, seed of backward, hidden size D). With 39 rows, D = 24 computes the weight's
+// gradient in forward; D = 48 (rows <= D) keeps the logits' gradient for backward instead.
+class FusedLmLoss : public ::testing::TestWithParam<std::tuple<int64_t, double, int64_t>> {};
 
 TEST_P(FusedLmLoss, MatchesUnfusedLossAndGradients) {
-  const auto [chunk, scale] = GetParam();
+  const auto [chunk, scale, D] = GetParam();
   at::manual_seed(3);
-  const int64_t B = 3, T = 13, D = 24, V = 101;  // 39 rows: chunks of 8 leave 7
+  const int64_t B = 3, T = 13, V = 101;  // 39 rows: chunks of 8 leave 7
   at::Tensor x = at::randn({B, T, D});
   at::Tensor a = at::randn({D, D}) * 0.3;
   at::Tensor w = at::randn({V, D}) * 0.5;
@@ -58,15 +60,34 @@ TEST_P(FusedLmLoss, MatchesUnfusedLossAndGradients) {
   expect_close(got.weight, ref.weight, 1e-5, 1e-7, "weight gradient");
 }
 
-INSTANTIATE_TEST_SUITE_P(ChunksAndSeeds, FusedLmLoss,
-                         ::testing::Values(std::make_tuple(int64_t{0}, 1.0),   // one chunk
-                                           std::make_tuple(int64_t{8}, 1.0),   // 5 chunks
-                                           std::make_tuple(int64_t{1}, 1.0),   // row by row
-                                           std::make_tuple(int64_t{8}, 2.5)),  // seed != 1
-                         [](const auto& info) {
-                           return "chunk" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) == 1.0 ? "" : "_scaled");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    ChunksAndSeeds, FusedLmLoss,
+    ::testing::Combine(::testing::Values(int64_t{0}, int64_t{8}, int64_t{1}),  // 1, 5, 39 chunks
+                       ::testing::Values(1.0, 2.5),                           // seed != 1
+                       ::testing::Values(int64_t{24}, int64_t{48})),
+    [](const auto& info) {
+      return "chunk" + std::to_string(std::get<0>(info.param)) +
+             (std::get<1>(info.param) == 1.0 ? "" : "_scaled") +
+             (std::get<2>(info.param) == 48 ? "_weight_grad_in_backward" : "");
+    });
+
+// A weight that needs no gradient (frozen embedding): only hidden's, which matches.
+TEST(FusedLmLossFrozenWeight, OnlyTheHiddenGradient) {
+  at::manual_seed(6);
+  at::Tensor x = at::randn({5, 12});
+  at::Tensor a0 = at::randn({12, 12}) * 0.3;
+  at::Tensor w = at::randn({40, 12});
+  at::Tensor t = at::randint(40, {5}, at::kLong);
+  at::Tensor grads[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    at::Tensor a = a0.clone().requires_grad_(true);
+    at::Tensor hidden = at::matmul(x, a);
+    (fused ? fused_lm_loss(hidden, w, t, 2) : lm_loss(at::linear(hidden, w), t)).backward();
+    grads[fused] = a.grad();
+  }
+  EXPECT_FALSE(w.grad().defined());
+  expect_close(grads[1], grads[0], 1e-5, 1e-7, "gradient through hidden");
+}
 
 TEST(FusedLmLossNoGrad, LossOnlyAndSameValue) {
   at::manual_seed(4);
@@ -81,24 +102,35 @@ TEST(FusedLmLossNoGrad, LossOnlyAndSameValue) {
 }
 
 // A target whose probability underflows fp32 (logit 200 below the row's largest): the loss
-// must stay finite and exact, from the logits instead of log(0).
-TEST(FusedLmLossUnderflow, ExactLossWhenTargetProbabilityUnderflows) {
-  at::Tensor h = at::tensor({1.0f, 1.0f, -1.0f}).view({3, 1});
-  at::Tensor w = at::tensor({200.0f, 0.0f, 0.5f}).view({3, 1});
+// must stay finite and exact, from the logits instead of log(0). D = 1 and (zero-padded) 3:
+// the weight's gradient formed in forward and in backward.
+class FusedLmLossUnderflow : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(FusedLmLossUnderflow, ExactLossWhenTargetProbabilityUnderflows) {
+  const int64_t D = GetParam();
+  at::Tensor h = at::constant_pad_nd(at::tensor({1.0f, 1.0f, -1.0f}).view({3, 1}), {0, D - 1});
+  at::Tensor w = at::constant_pad_nd(at::tensor({200.0f, 0.0f, 0.5f}).view({3, 1}), {0, D - 1});
   at::Tensor t =
       at::tensor({int64_t{1}, int64_t{0}, int64_t{2}});  // row 0: p = exp(-200) = 0 in fp32
-  Grads ref = run(false, h, at::ones({1, 1}), w, t, 0);
-  Grads got = run(true, h, at::ones({1, 1}), w, t, 2);
+  Grads ref = run(false, h, at::eye(D), w, t, 0);
+  Grads got = run(true, h, at::eye(D), w, t, 2);
   ASSERT_TRUE(std::isfinite(got.loss.item<double>()));
   expect_close(got.loss, ref.loss, 1e-6, 0, "loss");
   expect_close(got.weight, ref.weight, 1e-5, 1e-7, "weight gradient");
 }
 
-TEST(FusedLmLossBf16, CloseToUnfusedInBf16) {
+INSTANTIATE_TEST_SUITE_P(HiddenSizes, FusedLmLossUnderflow, ::testing::Values(int64_t{1}, int64_t{3}),
+                         [](const auto& info) { return "D" + std::to_string(info.param); });
+
+// 18 rows; D = 32 keeps the logits' gradient for backward, D = 8 forms the weight's in forward.
+class FusedLmLossBf16 : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(FusedLmLossBf16, CloseToUnfusedInBf16) {
+  const int64_t D = GetParam();
   at::manual_seed(5);
-  at::Tensor x = at::randn({2, 9, 32}).to(at::kBFloat16);
-  at::Tensor a = (at::randn({32, 32}) * 0.2).to(at::kBFloat16);
-  at::Tensor w = (at::randn({77, 32}) * 0.5).to(at::kBFloat16);
+  at::Tensor x = at::randn({2, 9, D}).to(at::kBFloat16);
+  at::Tensor a = (at::randn({D, D}) * 0.2).to(at::kBFloat16);
+  at::Tensor w = (at::randn({77, D}) * 0.5).to(at::kBFloat16);
   at::Tensor t = at::randint(77, {2, 9}, at::kLong);
   Grads ref = run(false, x, a, w, t, 0);
   Grads got = run(true, x, a, w, t, 4);
@@ -108,6 +140,9 @@ TEST(FusedLmLossBf16, CloseToUnfusedInBf16) {
   expect_close(got.upstream, ref.upstream, 2e-2, 1e-3, "gradient through hidden");
   expect_close(got.weight, ref.weight, 2e-2, 1e-3, "weight gradient");
 }
+
+INSTANTIATE_TEST_SUITE_P(HiddenSizes, FusedLmLossBf16, ::testing::Values(int64_t{32}, int64_t{8}),
+                         [](const auto& info) { return "D" + std::to_string(info.param); });
 
 TEST(FusedLmLossArgs, SecondBackwardThroughTheSameLossIsAnError) {
   at::Tensor h = at::randn({4, 8}).requires_grad_(true);
