@@ -189,6 +189,24 @@ class FullyShardedDataParallel final : public Strategy {
 
 // ---- Where a unit runs ------------------------------------------------------------------
 
+// Whether the backward of one call of a unit reads the unit's parameters: whether autograd
+// saved them (or views of them) during the call's forward. Almost every layer does (a
+// matmul's backward needs its weight), so FSDP gathers a unit again before each of its
+// calls' backward.
+enum class ParamsInBackward {
+  kRead,
+  // The call's backward needs none of the unit's parameters: an embedding lookup (its
+  // backward needs only the indices), or a loss whose gradients were computed in forward
+  // (gpt2::fused_lm_loss). Under FULL_SHARD / HYBRID_SHARD the unit then stays sharded from
+  // the end of this call until its next forward: a tied embedding no longer sits gathered
+  // through the whole backward. Should the backward read the parameters after all, it throws
+  // InvalidArgument instead of computing with freed memory (the parameters' version counters
+  // are bumped when they are freed, as an in-place write would). A unit called with kRead
+  // earlier in the same forward may not be called with kNotRead (that earlier call's backward
+  // would find its parameters modified): forward throws InvalidArgument.
+  kNotRead,
+};
+
 // The tensors in a value a unit's forward returns: unit_call hooks each one that requires
 // grad, so that the unit is gathered again before its backward whichever output's gradient
 // arrives first. A customization point: provided for at::Tensor, std::tuple, std::pair,
@@ -271,7 +289,7 @@ struct UnitOutput<std::optional<T>> {
 namespace detail {
 // unit_call's part that does not depend on the return type: runs `fn` as `module`'s forward;
 // `fn` appends the output's tensors to its argument.
-void run_unit(torch::nn::Module& module,
+void run_unit(torch::nn::Module& module, ParamsInBackward params_in_backward,
               const std::function<void(std::vector<at::Tensor>& outputs)>& fn);
 }  // namespace detail
 
@@ -285,12 +303,16 @@ void run_unit(torch::nn::Module& module,
 // `->as<T>()` — such calls are bound at compile time to T::forward and C++ modules have no
 // forward hooks, so FSDP cannot see them. Not needed for entries of a torch::nn::Sequential
 // run by Sequential::forward: FSDP routes those itself (see the top of this header).
+// `params_in_backward`: see ParamsInBackward; kNotRead only where this call's backward
+// provably reads none of the unit's parameters.
 template <typename Fn>
-auto unit_call(torch::nn::Module& module, Fn&& fn) -> std::decay_t<std::invoke_result_t<Fn&>> {
+auto unit_call(torch::nn::Module& module, Fn&& fn,
+               ParamsInBackward params_in_backward = ParamsInBackward::kRead)
+    -> std::decay_t<std::invoke_result_t<Fn&>> {
   using Out = std::decay_t<std::invoke_result_t<Fn&>>;
   static_assert(!std::is_void_v<Out>, "dtrain::unit_call: the unit's forward must return a value");
   std::optional<Out> out;
-  detail::run_unit(module, [&](std::vector<at::Tensor>& tensors) {
+  detail::run_unit(module, params_in_backward, [&](std::vector<at::Tensor>& tensors) {
     out.emplace(fn());
     UnitOutput<Out>::for_each_tensor(*out, [&](const at::Tensor& t) { tensors.push_back(t); });
   });

@@ -193,6 +193,10 @@ void FlatParam::copy_shard_to_full() {
   }
 }
 
+void FlatParam::bump_param_versions() {
+  for (at::Tensor& p : params_) p.unsafeGetTensorImpl()->bump_version();
+}
+
 at::Tensor FlatParam::take_grads(c10::ScalarType dtype) {
   c10::NoGradGuard no_grad;
   // One parameter filling the whole buffer (no padding): its gradient, when nothing else holds

@@ -88,6 +88,10 @@ class FlatParam {
   // Gives full memory again when released; contents undefined until gathered into or
   // copied from the shard.
   void refill();
+  // Bumps the parameters' version counters, as an in-place write would: autograd then refuses
+  // (with its "modified by an inplace operation" error) to use a parameter it saved before,
+  // instead of reading it from released memory.
+  void bump_param_versions();
 
   // param_views: parameter i's part of the shard (shard_range(i)) as a 1-D leaf tensor that
   // requires grad and shares shard()'s memory, so an optimizer step on it updates the shard

@@ -6,12 +6,14 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
 #include <chrono>
 #include <map>
 #include <set>
+#include <string>
 
 #include "dtrain/errors.h"
 #include "fsdp/active.h"
@@ -218,6 +220,17 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
   std::exception_ptr failure;
   try {
     loss.backward();
+  } catch (const c10::Error& e) {
+    failure = std::current_exception();
+    // What a version bump of ParamsInBackward::kNotRead (fsdp/schedule.cpp) looks like.
+    const std::string what = e.what_without_backtrace();
+    if (s.has_unread_calls() && what.find("modified by an inplace operation") != std::string::npos) {
+      failure = std::make_exception_ptr(InvalidArgument(
+          ctx("backward"),
+          "backward read the parameters of a unit called with ParamsInBackward::kNotRead, "
+          "which were freed after its forward (autograd saved them); call it with kRead (the "
+          "default). LibTorch: " + what));
+    }
   } catch (...) {
     failure = std::current_exception();
   }

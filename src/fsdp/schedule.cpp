@@ -69,6 +69,7 @@ void Schedule::prefetch(int index, const char* why) {
 
 void Schedule::begin_forward() {
   forward_order_.clear();
+  forward_reads_.clear();
   std::fill(ran_.begin(), ran_.end(), 0);
   std::fill(running_.begin(), running_.end(), 0);
   units_[0].ensure_unsharded();
@@ -77,21 +78,40 @@ void Schedule::begin_forward() {
   }
 }
 
-int Schedule::enter_unit(const torch::nn::Module& m) {
+int Schedule::enter_unit(const torch::nn::Module& m, bool reads_in_backward) {
   const int index = unit_of(m);
   if (index <= 0 || running_[index]) return -1;
   Unit& u = units_[index];
   const size_t position = forward_order_.size();
+  const ErrorContext ctx{comms_.rank, comms_.world_size, "forward", -1};
   if (recorded_ && (position >= recorded_order_.size() || recorded_order_[position] != index)) {
     throw InvalidArgument(
-        ErrorContext{comms_.rank, comms_.world_size, "forward", -1},
+        ctx,
         fmt::format("unit execution order changed: unit #{} of this forward is '{}', the first "
                     "iteration ran '{}' there; FSDP needs the same order every iteration",
                     position, u.name(),
                     position < recorded_order_.size() ? units_[recorded_order_[position]].name()
                                                       : "nothing"));
   }
+  if (recorded_ && recorded_reads_[position] != static_cast<char>(reads_in_backward)) {
+    throw InvalidArgument(ctx, fmt::format("unit #{} of this forward, '{}', is called with "
+                                           "ParamsInBackward::{}, the first iteration used {}",
+                                           position, u.name(), reads_in_backward ? "kRead" : "kNotRead",
+                                           reads_in_backward ? "kNotRead" : "kRead"));
+  }
+  if (!reads_in_backward) {
+    for (size_t k = 0; k < position; ++k) {
+      if (forward_order_[k] == index && forward_reads_[k]) {
+        throw InvalidArgument(
+            ctx, fmt::format("unit '{}' is called with ParamsInBackward::kNotRead after a call "
+                             "with kRead in the same forward: freeing it would invalidate that "
+                             "call's saved parameters; use kRead for both calls",
+                             u.name()));
+      }
+    }
+  }
   forward_order_.push_back(index);
+  forward_reads_.push_back(static_cast<char>(reads_in_backward));
   ran_[index] = 1;
   running_[index] = 1;
   u.ensure_unsharded();
@@ -107,6 +127,10 @@ void Schedule::exit_unit(int position, bool threw) {
   if (!frees_after_forward()) return;
   if (threw && u.param_state() != Unit::ParamState::kUnsharded) return;
   u.reshard();
+  // Nothing gathers the unit for this call's backward: a parameter autograd saved would be
+  // read from freed memory. A version bump turns that into autograd's "modified by an inplace
+  // operation" error (FSDP's backward names the cause).
+  if (!forward_reads_[position] && sharded() && !threw) u.flat().bump_param_versions();
 }
 
 void Schedule::hook_outputs(int position, const std::vector<at::Tensor>& outputs) {
@@ -135,10 +159,14 @@ void Schedule::end_forward(Communicator& world) {
                                                units_[k].name()));
       }
     }
-    // Every rank must run units in the same order: compare a digest of it.
+    // Every rank must run units in the same order (and the same ParamsInBackward, which
+    // decides prefetches): compare a digest of it.
     // FNV-1a in unsigned arithmetic (wraps by definition; signed overflow would be UB).
     uint64_t digest = 14695981039346656037ULL;
-    for (int i : forward_order_) digest = (digest ^ static_cast<uint32_t>(i)) * 1099511628211ULL;
+    for (size_t k = 0; k < forward_order_.size(); ++k) {
+      const uint32_t entry = static_cast<uint32_t>(forward_order_[k]) * 2 + (forward_reads_[k] ? 1 : 0);
+      digest = (digest ^ entry) * 1099511628211ULL;
+    }
     const int n = world.world_size();
     int64_t as_signed = 0;
     std::memcpy(&as_signed, &digest, sizeof(digest));
@@ -156,6 +184,11 @@ void Schedule::end_forward(Communicator& world) {
       }
     }
     recorded_order_ = forward_order_;
+    recorded_reads_ = forward_reads_;
+    gathered_in_backward_.assign(units_.size(), 0);
+    for (size_t k = 0; k < recorded_order_.size(); ++k) {
+      if (recorded_reads_[k]) gathered_in_backward_[recorded_order_[k]] = 1;
+    }
     for (int i : recorded_order_) order_names_.push_back(units_[i].name());
     recorded_ = true;
   }
@@ -191,8 +224,8 @@ void Schedule::pre_backward(int position) {
   Unit& u = units_[recorded_order_[position]];
   if (u.param_state() == Unit::ParamState::kSharded) u.unshard("");
   // Backward runs units in reverse forward order: the next one to need its parameters
-  // is the unit before this one in the forward order.
-  const int next = position > 0 ? recorded_order_[position - 1] : -1;
+  // is the unit before this one in the forward order, unless that call's backward reads none.
+  const int next = position > 0 && recorded_reads_[position - 1] ? recorded_order_[position - 1] : -1;
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch(next, " (prefetch)");
   if (u.param_state() == Unit::ParamState::kGathering) u.wait_unsharded();
 }
@@ -219,7 +252,7 @@ void Schedule::launch_ready_reductions() {
     // unit's backward did. Positions only, so every rank issues the same order.
     if (sync_ && comms_.replicate) replicate_until(sharded() ? next_reduce_ - 1 : next_reduce_);
     if (options_.backward_prefetch == BackwardPrefetch::kBackwardPost &&
-        next_reduce_ < reduce_order_.size()) {
+        next_reduce_ < reduce_order_.size() && gathered_in_backward_[reduce_order_[next_reduce_]]) {
       prefetch(reduce_order_[next_reduce_], " (prefetch)");
     }
   }

@@ -4,7 +4,8 @@
 //   forward    begin_forward() gathers the root; enter_unit() / exit_unit() bracket a unit's
 //              forward (gather before, free after under FULL_SHARD / HYBRID_SHARD, forward
 //              prefetch of the next unit); hook_outputs() arranges the pre-backward gather on
-//              the unit's output; end_forward() records and checks the unit order.
+//              the unit's output, for calls whose backward reads the parameters
+//              (ParamsInBackward); end_forward() records and checks the unit order.
 //   backward   arm() at its start; a hook on each parameter's gradient accumulator counts the
 //              unit down, and reductions launch strictly in the agreed reverse order, so every
 //              rank issues the same collectives in the same order; flush() launches what got
@@ -27,6 +28,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -79,10 +81,12 @@ class Schedule final : private UnitObserver {
   // position in this forward's order (what exit_unit and hook_outputs take), or -1 when `m`
   // is not a non-root unit, or is one whose forward is already running (a unit_call nested
   // in the unit's own, e.g. the model's unit_call around a Sequential entry FSDP routes
-  // itself: the outer call gathers and frees): nothing to do.
-  int enter_unit(const torch::nn::Module& m);
-  // Leave it: frees it under FULL_SHARD / HYBRID_SHARD. `threw`: its forward failed, leave it
-  // as a peer's successful call would.
+  // itself: the outer call gathers and frees): nothing to do. `reads_in_backward`: whether
+  // this call's backward reads the unit's parameters (ParamsInBackward); part of the order.
+  int enter_unit(const torch::nn::Module& m, bool reads_in_backward = true);
+  // Leave it: frees it under FULL_SHARD / HYBRID_SHARD (and, when the call's backward reads
+  // no parameters, bumps their version counters so that a saved one is reported, not read).
+  // `threw`: its forward failed, leave it as a peer's successful call would.
   void exit_unit(int position, bool threw);
   // The unit's output tensors: when the first of their gradients arrives, the unit is
   // gathered for its backward (once per use, whichever output backward reaches first).
@@ -94,6 +98,10 @@ class Schedule final : private UnitObserver {
   bool order_recorded() const { return recorded_; }
   // Unit names in forward order, as recorded in the first iteration.
   const std::vector<std::string>& order_names() const { return order_names_; }
+  // Whether a recorded call's backward reads no parameters (ParamsInBackward::kNotRead).
+  bool has_unread_calls() const {
+    return std::find(recorded_reads_.begin(), recorded_reads_.end(), 0) != recorded_reads_.end();
+  }
 
   // --- backward (the caller holds mutex() from arm() to accumulate()) ---
   // Whether the next backward reduces (Strategy::requires_gradient_sync()); set before a
@@ -168,6 +176,11 @@ class Schedule final : private UnitObserver {
   // Execution order: unit indices in forward order (recorded each iteration, compared with
   // the first); reductions launch in the reverse order, root last.
   std::vector<int> forward_order_, recorded_order_;
+  // Per position: whether that call's backward reads the unit's parameters.
+  std::vector<char> forward_reads_, recorded_reads_;
+  // Per unit: whether any recorded call's backward reads its parameters (BACKWARD_POST
+  // prefetches only those).
+  std::vector<char> gathered_in_backward_;
   std::vector<std::string> order_names_;
   bool recorded_ = false;
   std::vector<char> ran_;

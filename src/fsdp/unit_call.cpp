@@ -17,11 +17,12 @@ void set_active_schedule(Schedule* schedule) { t_active = schedule; }
 
 namespace detail {
 
-void run_unit(torch::nn::Module& module,
+void run_unit(torch::nn::Module& module, ParamsInBackward params_in_backward,
               const std::function<void(std::vector<at::Tensor>& outputs)>& fn) {
   std::vector<at::Tensor> outputs;
   fsdp::Schedule* schedule = fsdp::active_schedule();
-  const int position = schedule != nullptr ? schedule->enter_unit(module) : -1;
+  const bool reads = params_in_backward == ParamsInBackward::kRead;
+  const int position = schedule != nullptr ? schedule->enter_unit(module, reads) : -1;
   if (position < 0) return fn(outputs);
   try {
     fn(outputs);
@@ -30,7 +31,7 @@ void run_unit(torch::nn::Module& module,
     throw;
   }
   schedule->exit_unit(position, /*threw=*/false);
-  schedule->hook_outputs(position, outputs);
+  if (reads) schedule->hook_outputs(position, outputs);
 }
 
 }  // namespace detail

@@ -3,6 +3,7 @@
 // type (tuples, user structs). Each must train exactly as single-device training does.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
@@ -15,6 +16,9 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
@@ -275,6 +279,183 @@ TEST(FsdpUnitCall, TupleOutputGetsCorrectGradients) {
 
 TEST(FsdpUnitCall, StructOutputWithUnitOutputGetsCorrectGradients) {
   expect_unit_with_two_outputs_matches_single(/*as_struct=*/true);
+}
+
+// --- ParamsInBackward ---
+
+// A table (a unit) looked up first, a linear unit, then a second use of the table: another
+// lookup, or a matmul with it (whose backward reads it); each call declares what its backward
+// reads.
+enum class SecondUse { kLookup, kMatmul };
+struct TiedCase {
+  std::string name;
+  ParamsInBackward first = ParamsInBackward::kNotRead;
+  SecondUse second = SecondUse::kLookup;
+  ParamsInBackward second_reads = ParamsInBackward::kNotRead;
+  BackwardPrefetch prefetch = BackwardPrefetch::kBackwardPre;
+};
+
+// A row lookup whose backward needs only the indices. (LibTorch 1.13's at::embedding saves the
+// weight itself, for its row count, so its backward counts as reading it.)
+struct Lookup : torch::autograd::Function<Lookup> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table,
+                            const at::Tensor& idx) {
+    ctx->save_for_backward({idx});
+    ctx->saved_data["rows"] = table.size(0);
+    return table.index_select(0, idx.reshape({-1})).view({idx.size(0), idx.size(1), table.size(1)});
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const at::Tensor idx = ctx->get_saved_variables()[0];
+    const at::Tensor g = grad[0].reshape({-1, grad[0].size(-1)});
+    at::Tensor table_grad = at::zeros({ctx->saved_data["rows"].toInt(), g.size(1)}, g.options());
+    return {table_grad.index_add_(0, idx.reshape({-1}), g), at::Tensor()};
+  }
+};
+
+struct TiedTableImpl : torch::nn::Module {
+  explicit TiedTableImpl(TiedCase c) : c(std::move(c)) {
+    table = register_module("table", torch::nn::Embedding(kVocab, kDim));
+    fc = register_module("fc", torch::nn::Linear(kDim, kDim));
+    head = register_module("head", torch::nn::Linear(kDim, kVocab));
+  }
+  at::Tensor forward(const at::Tensor& idx) {
+    at::Tensor x = unit_call(*table, [&] { return Lookup::apply(table->weight, idx); }, c.first);
+    at::Tensor h = at::tanh(unit_call(*fc, [&] { return fc->forward(x); }));
+    if (c.second == SecondUse::kLookup) {
+      at::Tensor other = (idx * 7 + 3).remainder(kVocab);
+      at::Tensor g = unit_call(*table, [&] { return Lookup::apply(table->weight, other); },
+                               c.second_reads);
+      return head->forward(h * g);
+    }
+    at::Tensor tied = unit_call(*table, [&] { return at::linear(h, table->weight); }, c.second_reads);
+    return head->forward(h) + tied;
+  }
+  TiedCase c;
+  torch::nn::Embedding table{nullptr};
+  torch::nn::Linear fc{nullptr}, head{nullptr};
+};
+TORCH_MODULE(TiedTable);
+
+FsdpOptions tied_options(const TiedCase& c) {
+  FsdpOptions o;
+  o.wrap_policy = [](const std::string& name, const torch::nn::Module&) {
+    return name == "table" || name == "fc";
+  };
+  o.backward_prefetch = c.prefetch;
+  return o;
+}
+
+class FsdpParamsInBackward : public ::testing::TestWithParam<TiedCase> {};
+
+// Calls declared kNotRead leave the table sharded from their end to the next forward (it is
+// gathered once per call in forward and never in backward); training matches single-device.
+TEST_P(FsdpParamsInBackward, UnreadTableStaysShardedAndTrainingMatchesSingleDevice) {
+  const TiedCase c = GetParam();
+  at::set_num_threads(1);
+  const int world = 2;
+  const Data d = make_data(world);
+  at::manual_seed(12);
+  TiedTable ref(c);
+  SingleDevice single(ref.ptr());
+  train(single, d, 0, kLocalBatch * world,
+        [&](const at::Tensor& x, const at::Tensor& y) { return lm_loss(ref->forward(x), y); });
+  std::vector<TiedTable> models;
+  for (int r = 0; r < world; ++r) {
+    at::manual_seed(12);
+    models.emplace_back(c);
+  }
+  const bool read_in_backward = c.second_reads == ParamsInBackward::kRead;
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    FullyShardedDataParallel fsdp(models[r].ptr(),
+                                  std::shared_ptr<Communicator>(&comm, [](auto*) {}),
+                                  tied_options(c));
+    size_t released_after_forward = 0;
+    train(fsdp, d, r * kLocalBatch, kLocalBatch, [&](const at::Tensor& x, const at::Tensor& y) {
+      at::Tensor loss = lm_loss(models[r]->forward(x), y);
+      released_after_forward += models[r]->table->weight.storage().nbytes() == 0;
+      return loss;
+    });
+    const auto log = fsdp.last_collective_log();
+    const auto gathers = std::count(log.begin(), log.end(), "all_gather:table") +
+                         std::count(log.begin(), log.end(), "all_gather:table (prefetch)");
+    DTRAIN_CHECK(gathers == (read_in_backward ? 3 : 2),
+                 "table gathered {} times in a step: {}", gathers, fmt::format("{}", fmt::join(log, ", ")));
+    if (!read_in_backward) {
+      DTRAIN_CHECK(released_after_forward == static_cast<size_t>(kSteps),
+                   "the table was gathered at the end of {} of {} forwards",
+                   kSteps - static_cast<int>(released_after_forward), kSteps);
+    }
+    auto state = fsdp.full_state_dict();
+    if (r == 0) expect_matches(state, *ref);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, FsdpParamsInBackward,
+    ::testing::Values(TiedCase{"two_lookups"},
+                      TiedCase{"two_lookups_prefetch_post", ParamsInBackward::kNotRead,
+                               SecondUse::kLookup, ParamsInBackward::kNotRead,
+                               BackwardPrefetch::kBackwardPost},
+                      TiedCase{"lookup_then_matmul_read", ParamsInBackward::kNotRead,
+                               SecondUse::kMatmul, ParamsInBackward::kRead}),
+    [](const auto& info) { return info.param.name; });
+
+// A matmul declared kNotRead: its backward would read the freed table. Every rank's backward
+// throws InvalidArgument naming the declaration, instead of computing with freed memory.
+TEST(FsdpParamsInBackwardErrors, ASavedParameterOfAnUnreadCallIsAnError) {
+  at::set_num_threads(1);
+  const TiedCase c{"matmul_declared_unread", ParamsInBackward::kNotRead, SecondUse::kMatmul,
+                   ParamsInBackward::kNotRead};
+  const int world = 2;
+  const Data d = make_data(world);
+  std::vector<TiedTable> models;
+  for (int r = 0; r < world; ++r) models.emplace_back(c);
+  std::vector<std::string> errors(world);
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    FullyShardedDataParallel fsdp(models[r].ptr(),
+                                  std::shared_ptr<Communicator>(&comm, [](auto*) {}),
+                                  tied_options(c));
+    at::Tensor x = d.x[0].narrow(0, r * kLocalBatch, kLocalBatch);
+    at::Tensor y = d.y[0].narrow(0, r * kLocalBatch, kLocalBatch);
+    at::Tensor l = fsdp.forward([&] { return lm_loss(models[r]->forward(x), y); });
+    try {
+      fsdp.backward(l);
+    } catch (const Error& e) {  // the first step: FSDP is unusable after it, as the error says
+      errors[r] = e.what();
+    }
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_NE(errors[r].find("ParamsInBackward::kNotRead"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
+// kNotRead after a kRead call of the same unit would invalidate the first call's saved
+// parameters: refused in forward.
+TEST(FsdpParamsInBackwardErrors, UnreadAfterReadInOneForwardIsRefused) {
+  at::set_num_threads(1);
+  const TiedCase c{"read_then_unread", ParamsInBackward::kRead, SecondUse::kLookup,
+                   ParamsInBackward::kNotRead};
+  std::vector<std::string> errors(2);
+  std::vector<TiedTable> models{TiedTable(c), TiedTable(c)};
+  run_ranks(2, [&](Communicator& comm) {
+    const int r = comm.rank();
+    FullyShardedDataParallel fsdp(models[r].ptr(),
+                                  std::shared_ptr<Communicator>(&comm, [](auto*) {}),
+                                  tied_options(c));
+    try {
+      fsdp.forward([&] { return models[r]->forward(at::zeros({1, kT}, at::kLong)).sum(); });
+    } catch (const InvalidArgument& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("kNotRead after a call with kRead"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
 }
 
 // unit_call passes any return type through unchanged outside FSDP.
