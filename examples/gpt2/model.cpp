@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -27,6 +28,28 @@ at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l) {
 torch::nn::LayerNorm layer_norm(int64_t dim) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5));
 }
+
+// The table's rows for `idx` with a sparse gradient: at::embedding(..., sparse=true), except
+// that autograd keeps only the indices and the row count. LibTorch 1.13's own embedding node
+// also keeps the table (for its row count), so its backward would count as reading the
+// table, and FSDP would have to gather it for that (dtrain::ParamsInBackward).
+struct TokenLookup : torch::autograd::Function<TokenLookup> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table,
+                            const at::Tensor& idx) {
+    ctx->save_for_backward({idx});
+    ctx->saved_data["rows"] = table.size(0);
+    return at::embedding(table, idx, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false,
+                         /*sparse=*/true);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const at::Tensor idx = ctx->get_saved_variables()[0];
+    return {at::embedding_backward(grad[0], idx, ctx->saved_data["rows"].toInt(),
+                                   /*padding_idx=*/-1, /*scale_grad_by_freq=*/false,
+                                   /*sparse=*/true),
+            at::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -149,14 +172,21 @@ void GptImpl::reset_parameters() {
   norm(ln_f);
 }
 
-at::Tensor GptImpl::forward(const at::Tensor& idx) {
-  // The LM head is the token embedding, transposed: no second parameter.
-  return at::linear(hidden(idx), wte->weight);
+at::Tensor GptImpl::forward(const at::Tensor& idx) { return head(hidden(idx)); }
+
+at::Tensor GptImpl::head(const at::Tensor& hidden) {
+  // The LM head is the token embedding, transposed: no second parameter. Its backward reads
+  // the table (the gradient for `hidden` is grad @ wte).
+  return dtrain::unit_call(*wte, [&] { return at::linear(hidden, wte->weight); });
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool fused) {
-  return fused ? fused_lm_loss(hidden(idx), wte->weight, targets)
-               : lm_loss(forward(idx), targets);
+  if (!fused) return lm_loss(forward(idx), targets);
+  at::Tensor h = hidden(idx);
+  // fused_lm_loss forms its gradients in forward: its backward reads no weight.
+  return dtrain::unit_call(
+      *wte, [&] { return fused_lm_loss(h, wte->weight, targets); },
+      dtrain::ParamsInBackward::kNotRead);
 }
 
 at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
@@ -169,13 +199,16 @@ at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positi
   at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
   // Sparse: the dense backward would zero and fill a [vocab, dim] table (147 MiB for
   // GPT-2 small) only to add it to the tied head's gradient (see model.h).
-  at::Tensor tok = at::embedding(tokens->weight, idx, /*padding_idx=*/-1,
-                                 /*scale_grad_by_freq=*/false, /*sparse=*/true);
+  at::Tensor tok = TokenLookup::apply(tokens->weight, idx);
   return tok + positions->forward(pos);
 }
 
 at::Tensor GptImpl::hidden(const at::Tensor& idx) {
-  at::Tensor x = embed_tokens(wte, wpe, idx, config_.context, "GPT");
+  // The token lookup's backward needs only idx (embed_tokens): with wte a unit of its own
+  // (GptTask under FSDP), the table is not gathered for it.
+  at::Tensor x = dtrain::unit_call(
+      *wte, [&] { return embed_tokens(wte, wpe, idx, config_.context, "GPT"); },
+      dtrain::ParamsInBackward::kNotRead);
   for (auto& block : blocks) {
     // A no-op wrapper except under FSDP, where it gathers and frees the block's weights (and
     // gathers them again before a checkpointed block is recomputed).

@@ -5,7 +5,9 @@
 //
 // Each block runs through dtrain::unit_call, so FullyShardedDataParallel with
 // wrap_modules_named("BlockImpl") makes every block a unit; under every other strategy the
-// call is a plain forward.
+// call is a plain forward. So do the token embedding's two uses (the lookup and the LM head),
+// so that wte can be a unit too: with the fused loss neither use's backward reads the table
+// (dtrain::ParamsInBackward::kNotRead), and FSDP frees it from the end of forward on.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -89,8 +91,10 @@ struct GptImpl : torch::nn::Module {
   // parameters' dtype.
   at::Tensor forward(const at::Tensor& idx);
 
-  // The final LayerNorm's output [B, T, dim]: forward(idx) is its product with wte^T.
+  // The final LayerNorm's output [B, T, dim]: forward(idx) is head(hidden(idx)).
   at::Tensor hidden(const at::Tensor& idx);
+  // The LM head: logits [..., vocab_size] = hidden @ wte^T.
+  at::Tensor head(const at::Tensor& hidden);
 
   // Mean cross-entropy of the next-token prediction: lm_loss(forward(idx), targets), or with
   // `fused` the same loss through fused_lm_loss (lm_head_loss.h), which never materializes

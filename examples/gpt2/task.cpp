@@ -20,13 +20,21 @@ std::string describe_model(const std::string& preset, const std::string& dims, i
 
 class GptTask : public Task {
  public:
-  GptTask(std::string preset, const GptConfig& config, c10::Device device)
-      : preset_(std::move(preset)), model_(config) {
+  GptTask(std::string preset, const GptConfig& config, bool fused_loss, c10::Device device)
+      : preset_(std::move(preset)), model_(config), fused_loss_(fused_loss) {
     model_->to(device);
   }
   std::shared_ptr<torch::nn::Module> module() const override { return model_.ptr(); }
+  // Every block; with the fused loss also the tied token embedding, which neither of its
+  // uses then needs in backward (GptImpl::hidden, GptImpl::loss): as a unit it is freed
+  // after forward instead of staying gathered, as the root, through the whole step. With the
+  // standard loss the head's backward needs it, so it stays in the root (gathered once).
   dtrain::WrapPolicy wrap_policy() const override {
-    return dtrain::wrap_modules_named("BlockImpl");
+    auto blocks = dtrain::wrap_modules_named("BlockImpl");
+    if (!fused_loss_) return blocks;
+    return [blocks](const std::string& name, const torch::nn::Module& m) {
+      return name == "wte" || blocks(name, m);
+    };
   }
   std::string describe() const override {
     const GptConfig& g = model_->config();
@@ -44,6 +52,7 @@ class GptTask : public Task {
  private:
   std::string preset_;
   Gpt model_;
+  bool fused_loss_;
 };
 
 class BertTask : public Task {
@@ -92,7 +101,7 @@ std::unique_ptr<Task> make_task(const Config& c, int64_t token_ids, c10::Device 
   if (c.model_kind == ModelKind::kGpt2) {
     GptConfig g = c.gpt;
     g.vocab_size = vocab;
-    return std::make_unique<GptTask>(c.model, g, device);
+    return std::make_unique<GptTask>(c.model, g, c.fused_loss(), device);
   }
   bert::BertConfig b = c.bert;
   b.vocab_size = vocab;

@@ -199,18 +199,19 @@ void FlatParam::bump_param_versions() {
 
 at::Tensor FlatParam::take_grads(c10::ScalarType dtype) {
   c10::NoGradGuard no_grad;
-  // One parameter filling the whole buffer (no padding): its gradient, when nothing else holds
-  // it, is the flat gradient already. Taking it instead of copying halves the unit's peak at
-  // its reduction (a tied 50257 x 512 embedding: 98 MiB).
+  // One parameter filling the whole buffer (no padding): its gradient is the flat gradient
+  // already. Taking it instead of copying halves the unit's peak at its reduction (a tied
+  // 50257 x 512 embedding: 98 MiB). Other references to it are harmless: a reduction reads
+  // its input and never writes it (Communicator::reduce_scatter), and the autograd engine,
+  // which still holds it while the post-hook that gets here runs, drops it unread.
   if (params_.size() == 1 && padded_ == numel_ && params_[0].grad().defined()) {
-    at::Tensor g = params_[0].grad();
-    params_[0].mutable_grad().reset();
+    const at::Tensor& g = params_[0].grad();
     if (g.layout() == at::kStrided && g.is_contiguous() && g.scalar_type() == dtype &&
-        g.device() == full_.device() && g.use_count() == 1 && g.storage().use_count() == 1 &&
-        g.storage_offset() == 0) {
-      return g.view({-1});
+        g.device() == full_.device()) {
+      at::Tensor flat = g.view({-1});
+      params_[0].mutable_grad().reset();
+      return flat;
     }
-    params_[0].mutable_grad() = std::move(g);  // shared or strided oddly: copy it below
   }
   at::Tensor flat = at::zeros({padded_}, full_.options().dtype(dtype));
   for (size_t i = 0; i < params_.size(); ++i) {

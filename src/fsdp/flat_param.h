@@ -122,8 +122,8 @@ class FlatParam {
   // The parameters' gradients flattened into a new zero-padded buffer of `padded` elements
   // in `dtype` (parameters without a gradient contribute zeros); the parameters' .grad are
   // cleared (the unsharded gradient is not kept). A unit of one parameter that fills the
-  // buffer gets its gradient itself back, flattened, when nothing else references it and its
-  // dtype is `dtype` (no second copy of a large gradient).
+  // buffer gets its gradient itself back, flattened, when it is contiguous and of `dtype` (no
+  // second copy of a large gradient; the caller must not write to it).
   at::Tensor take_grads(c10::ScalarType dtype);
   // Adds the parameters' gradients to `sum` (fp32, `padded` elements, created as zeros when
   // undefined) and clears them: gradient accumulation without communication.
