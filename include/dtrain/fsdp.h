@@ -118,6 +118,13 @@ struct FsdpOptions {
   bool forward_prefetch = false;
   // Most units gathered ahead of use at once (prefetches beyond this wait), bounding memory.
   int limit_all_gathers = 2;
+  // A unit called more than once in a forward (weight sharing, e.g. a tied embedding looked
+  // up first and used as the LM head last) stays gathered from its first call to its last,
+  // instead of being freed after each call and gathered again: one all-gather per forward
+  // instead of one per call, for holding its parameters in between. From the second
+  // iteration on (the first records which call is the last). false: freed after every call,
+  // the least memory. FULL_SHARD / HYBRID_SHARD only (the others keep units gathered anyway).
+  bool keep_gathered_between_calls = true;
   MixedPrecision mixed_precision;
   // Which submodules are units; null: the root unit only.
   WrapPolicy wrap_policy;

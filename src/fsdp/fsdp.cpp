@@ -84,6 +84,7 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
   so.backward_prefetch = options_.backward_prefetch;
   so.forward_prefetch = options_.forward_prefetch;
   so.limit_all_gathers = options_.limit_all_gathers;
+  so.keep_gathered_between_calls = options_.keep_gathered_between_calls;
   schedule_ = std::make_unique<fsdp::Schedule>(so, std::move(comms));
 
   std::vector<std::pair<std::string, at::Tensor>> named;

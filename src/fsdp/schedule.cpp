@@ -124,7 +124,7 @@ int Schedule::enter_unit(const torch::nn::Module& m, bool reads_in_backward) {
 void Schedule::exit_unit(int position, bool threw) {
   Unit& u = units_[forward_order_[position]];
   running_[forward_order_[position]] = 0;
-  if (!frees_after_forward()) return;
+  if (!frees_after_forward() || kept_for_later_call(position)) return;
   if (threw && u.param_state() != Unit::ParamState::kUnsharded) return;
   u.reshard();
   // Nothing gathers the unit for this call's backward: a parameter autograd saved would be
@@ -186,8 +186,13 @@ void Schedule::end_forward(Communicator& world) {
     recorded_order_ = forward_order_;
     recorded_reads_ = forward_reads_;
     gathered_in_backward_.assign(units_.size(), 0);
-    for (size_t k = 0; k < recorded_order_.size(); ++k) {
-      if (recorded_reads_[k]) gathered_in_backward_[recorded_order_[k]] = 1;
+    later_call_.assign(recorded_order_.size(), 0);
+    std::vector<char> seen_later(units_.size(), 0);
+    for (size_t k = recorded_order_.size(); k-- > 0;) {
+      const int i = recorded_order_[k];
+      if (recorded_reads_[k]) gathered_in_backward_[i] = 1;
+      later_call_[k] = seen_later[i];
+      seen_later[i] = 1;
     }
     for (int i : recorded_order_) order_names_.push_back(units_[i].name());
     recorded_ = true;
@@ -321,7 +326,7 @@ void Schedule::finish_forward_as_peers_do() {
     if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
       prefetch(recorded_order_[position + 1], " (prefetch)");
     }
-    if (frees_after_forward()) u.reshard();
+    if (frees_after_forward() && !kept_for_later_call(position)) u.reshard();
   }
 }
 

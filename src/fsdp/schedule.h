@@ -53,6 +53,7 @@ struct ScheduleOptions {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
   int limit_all_gathers = 2;
+  bool keep_gathered_between_calls = true;
 };
 
 class Schedule final : private UnitObserver {
@@ -151,6 +152,13 @@ class Schedule final : private UnitObserver {
     return options_.sharding == ShardingStrategy::kFullShard ||
            options_.sharding == ShardingStrategy::kHybridShard;
   }
+  // Whether the unit of the forward's call at `position` stays gathered after it, for a later
+  // call of the same unit in this forward (keep_gathered_between_calls; from the recorded
+  // order, so every rank decides alike).
+  bool kept_for_later_call(size_t position) const {
+    return options_.keep_gathered_between_calls && recorded_ &&
+           position < later_call_.size() && later_call_[position];
+  }
   void prefetch(int index, const char* why);
   void pre_backward(int position);
   void on_grad_ready(int index);
@@ -181,6 +189,8 @@ class Schedule final : private UnitObserver {
   // Per unit: whether any recorded call's backward reads its parameters (BACKWARD_POST
   // prefetches only those).
   std::vector<char> gathered_in_backward_;
+  // Per recorded position: whether the same unit is called again later in the forward.
+  std::vector<char> later_call_;
   std::vector<std::string> order_names_;
   bool recorded_ = false;
   std::vector<char> ran_;

@@ -63,6 +63,7 @@ struct SharingCase {
   ShardingStrategy sharding = ShardingStrategy::kFullShard;
   BackwardPrefetch prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
+  bool keep_between_calls = true;  // FsdpOptions::keep_gathered_between_calls
 };
 
 class FsdpWeightSharing : public ::testing::TestWithParam<SharingCase> {};
@@ -105,6 +106,7 @@ TEST_P(FsdpWeightSharing, UnitRunTwicePerForwardMatchesSingleDevice) {
     o.sharding = sc.sharding;
     o.backward_prefetch = sc.prefetch;
     o.forward_prefetch = sc.forward_prefetch;
+    o.keep_gathered_between_calls = sc.keep_between_calls;
     o.wrap_policy = [](const std::string& name, const torch::nn::Module&) {
       return name == "fc1" || name == "shared";
     };
@@ -126,6 +128,13 @@ TEST_P(FsdpWeightSharing, UnitRunTwicePerForwardMatchesSingleDevice) {
     for (const auto& e : logs[0]) reductions += e == "reduce_scatter:shared";
     EXPECT_EQ(reductions, 1u) << fmt::format("{}", fmt::join(logs[0], ", "));
   }
+  // FULL_SHARD gathers it in forward once (kept between its two calls) or once per call,
+  // and once more for backward.
+  if (sc.world > 1 && sc.sharding == ShardingStrategy::kFullShard) {
+    size_t gathers = 0;
+    for (const auto& e : logs[0]) gathers += e.rfind("all_gather:shared", 0) == 0;
+    EXPECT_EQ(gathers, sc.keep_between_calls ? 2u : 3u) << fmt::format("{}", fmt::join(logs[0], ", "));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -135,6 +144,9 @@ INSTANTIATE_TEST_SUITE_P(
                                   ShardingStrategy::kFullShard, BackwardPrefetch::kBackwardPost},
                       SharingCase{"full_shard_world2_forward_prefetch", 2,
                                   ShardingStrategy::kFullShard, BackwardPrefetch::kNone, true},
+                      SharingCase{"full_shard_world2_freed_between_calls", 2,
+                                  ShardingStrategy::kFullShard, BackwardPrefetch::kBackwardPre,
+                                  false, false},
                       SharingCase{"shard_grad_op_world2", 2, ShardingStrategy::kShardGradOp},
                       SharingCase{"no_shard_world2", 2, ShardingStrategy::kNoShard}),
     [](const auto& info) { return info.param.name; });
