@@ -103,6 +103,25 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& y) {
   return at::cross_entropy_loss(logits.reshape({-1, kVocab}), y.reshape({-1}));
 }
 
+// The reference: `ref` trained on one device over every step's whole batch.
+template <typename Model>
+void train_single_device(Model& ref, const Data& d, int world) {
+  SingleDevice single(ref.ptr());
+  train(single, d, 0, kLocalBatch * world,
+        [&](const at::Tensor& x, const at::Tensor& y) { return lm_loss(ref->forward(x), y); });
+}
+
+// One model per rank, each built after seeding with seed_of(rank).
+template <typename Model, typename SeedOf, typename... Args>
+std::vector<Model> models_per_rank(int world, const SeedOf& seed_of, const Args&... args) {
+  std::vector<Model> models;
+  for (int r = 0; r < world; ++r) {
+    at::manual_seed(seed_of(r));
+    models.emplace_back(args...);
+  }
+  return models;
+}
+
 struct SequentialCase {
   std::string name;
   ShardingStrategy sharding = ShardingStrategy::kFullShard;
@@ -121,15 +140,9 @@ TEST_P(FsdpSequential, StockEncoderLayersAreUnitsAndMatchSingleDevice) {
   const Data d = make_data(c.world);
   at::manual_seed(7);
   Encoder ref;
-  SingleDevice single(ref.ptr());
-  train(single, d, 0, kLocalBatch * c.world,
-        [&](const at::Tensor& x, const at::Tensor& y) { return lm_loss(ref->forward(x), y); });
-
-  std::vector<Encoder> models;
-  for (int r = 0; r < c.world; ++r) {
-    at::manual_seed(r == 0 ? 7 : 100 + r);  // FSDP broadcasts rank 0's weights
-    models.emplace_back();
-  }
+  train_single_device(ref, d, c.world);
+  // FSDP broadcasts rank 0's weights.
+  auto models = models_per_rank<Encoder>(c.world, [](int r) { return r == 0 ? 7 : 100 + r; });
   run_ranks(c.world, [&](Communicator& comm) {
     const int r = comm.rank();
     Encoder& m = models[r];
@@ -250,14 +263,8 @@ void expect_unit_with_two_outputs_matches_single(bool as_struct) {
   const Data d = make_data(world);
   at::manual_seed(11);
   TupleModel ref(as_struct);
-  SingleDevice single(ref.ptr());
-  train(single, d, 0, kLocalBatch * world,
-        [&](const at::Tensor& x, const at::Tensor& y) { return lm_loss(ref->forward(x), y); });
-  std::vector<TupleModel> models;
-  for (int r = 0; r < world; ++r) {
-    at::manual_seed(11);
-    models.emplace_back(as_struct);
-  }
+  train_single_device(ref, d, world);
+  auto models = models_per_rank<TupleModel>(world, [](int) { return 11; }, as_struct);
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
     FsdpOptions o;
@@ -295,6 +302,7 @@ struct TiedCase {
   BackwardPrefetch prefetch = BackwardPrefetch::kBackwardPre;
   bool keep_between_calls = true;  // FsdpOptions::keep_gathered_between_calls
 };
+void PrintTo(const TiedCase& c, std::ostream* os) { *os << c.name; }
 
 // A row lookup whose backward needs only the indices. (LibTorch 1.13's at::embedding saves the
 // weight itself, for its row count, so its backward counts as reading it.)
@@ -360,14 +368,8 @@ TEST_P(FsdpParamsInBackward, UnreadTableStaysShardedAndTrainingMatchesSingleDevi
   const Data d = make_data(world);
   at::manual_seed(12);
   TiedTable ref(c);
-  SingleDevice single(ref.ptr());
-  train(single, d, 0, kLocalBatch * world,
-        [&](const at::Tensor& x, const at::Tensor& y) { return lm_loss(ref->forward(x), y); });
-  std::vector<TiedTable> models;
-  for (int r = 0; r < world; ++r) {
-    at::manual_seed(12);
-    models.emplace_back(c);
-  }
+  train_single_device(ref, d, world);
+  auto models = models_per_rank<TiedTable>(world, [](int) { return 12; }, c);
   const bool read_in_backward = c.second_reads == ParamsInBackward::kRead;
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
