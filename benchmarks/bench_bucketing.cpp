@@ -50,6 +50,9 @@ ABSL_FLAG(std::string, loss, "fused",
           "fused (the example's default, lm_head_loss.h) | standard (logits + cross_entropy)");
 ABSL_FLAG(int64_t, corrupt_rank, -1,
           "testing hook: this rank perturbs a parameter before verification (must fail)");
+ABSL_FLAG(bool, corrupt_reduction, false,
+          "testing hook: every rank scales its reduced buckets by 1.001, a wrong reduction the "
+          "ranks agree on (must fail the gradient check)");
 
 namespace dtrain::bench {
 namespace {
@@ -68,6 +71,7 @@ struct Config {
   int64_t warmup = absl::GetFlag(FLAGS_warmup);
   int64_t steps = absl::GetFlag(FLAGS_steps);
   std::string loss = absl::GetFlag(FLAGS_loss);
+  bool corrupt_reduction = absl::GetFlag(FLAGS_corrupt_reduction);
   int64_t corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
 };
 
@@ -115,6 +119,52 @@ bool replicas_equal(Communicator& comm, const std::vector<at::Tensor>& params) {
   return equal;
 }
 
+// Testing hook: the default average, then a scale every rank applies alike.
+class ScaledAverageHook : public CommHook {
+ public:
+  WorkPtr run(Communicator& comm, GradBucket& bucket) override {
+    at::Tensor b = bucket.buffer;
+    return then(comm.all_reduce(b, ReduceOp::kAvg), [b]() mutable { b.mul_(1.001); });
+  }
+  std::string name() const override { return "scaled_average_for_test"; }
+};
+
+// DataParallel's bucketed gradients against a reference that shares none of its bucketing:
+// this rank's local gradients (taken under no_sync) averaged one parameter at a time. Ranks
+// agreeing with each other is not enough: a bucket offset or scale that is wrong the same
+// way on every rank shows only here.
+bool gradients_match_reference(Communicator& comm, DataParallel& ddp, gpt2::Gpt& model,
+                               const at::Tensor& x, const at::Tensor& y, bool fused,
+                               std::string* detail) {
+  const auto params = ddp.parameters();
+  auto backward = [&] {
+    for (const auto& p : params) p.mutable_grad().reset();
+    at::Tensor loss = ddp.forward([&] { return model->loss(x, y, fused); });
+    ddp.backward(loss);
+  };
+  {
+    auto guard = ddp.no_sync();
+    backward();
+  }
+  std::vector<at::Tensor> reference;
+  for (const auto& p : params) {
+    at::Tensor g = p.grad().defined() ? p.grad().clone() : at::zeros_like(p);
+    comm.all_reduce(g, ReduceOp::kAvg)->wait();
+    reference.push_back(g);
+  }
+  backward();
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor g = params[i].grad().defined() ? params[i].grad() : at::zeros_like(params[i]);
+    // Sums over ranks in another order: fp32 rounding only.
+    if (!at::allclose(g, reference[i], /*rtol=*/1e-4, /*atol=*/1e-7)) {
+      *detail = "parameter " + std::to_string(i) + ": max |diff| " +
+                std::to_string((g - reference[i]).abs().max().item<double>());
+      return false;
+    }
+  }
+  return true;
+}
+
 void run(benchmark::State& state, const std::string& name, Communicator& comm, double cap_mb,
          const Config& cfg) {
   const gpt2::GptConfig g = model_config(cfg);
@@ -123,6 +173,7 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, d
   DataParallelOptions options;
   options.bucket_cap_mb = cap_mb;
   options.first_bucket_cap_mb = std::min(cfg.first_bucket_cap_mb, cap_mb);
+  if (cfg.corrupt_reduction) options.comm_hook = std::make_shared<ScaledAverageHook>();
   // Non-owning: bench_main keeps the communicator alive until every benchmark has run.
   DataParallel ddp(std::static_pointer_cast<torch::nn::Module>(model.ptr()),
                    CommunicatorPtr(&comm, [](Communicator*) {}), options);
@@ -165,6 +216,17 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, d
   if (!all_ranks_ok(comm, replicas_equal(comm, ddp.parameters()), &failed)) {
     fail(state, comm, name,
          "verification failed: parameters differ from rank 0's on rank(s) " + failed);
+    return;
+  }
+  std::string detail;
+  const at::Tensor& last = tokens[total - 1];
+  const bool grads_ok =
+      gradients_match_reference(comm, ddp, model, last.narrow(1, 0, T), last.narrow(1, 1, T),
+                                cfg.loss == "fused", &detail);
+  if (!all_ranks_ok(comm, grads_ok, &failed)) {
+    fail(state, comm, name,
+         "verification failed: reduced gradients differ from the per-parameter average on "
+         "rank(s) " + failed + (detail.empty() ? "" : " (" + detail + ")"));
     return;
   }
   const double k = static_cast<double>(state.iterations());

@@ -15,6 +15,8 @@
 #include <benchmark/benchmark.h>
 #include <torch/optim/adamw.h>
 
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -78,16 +80,70 @@ BENCHMARK(adamw)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
+// Before timing anything: one step of each optimizer from the same parameters and gradients
+// must give the same parameters (FusedAdamWTest's bound), so a broken fused update cannot
+// report a speed-up. `corrupt` (testing hook) perturbs the fused result and must fail.
+bool verify(bool corrupt) {
+  at::set_num_threads(2);
+  at::manual_seed(0);
+  const auto reference = gpt2_parameters(1, 64);
+  std::vector<at::Tensor> a, b;
+  for (const auto& p : reference) {
+    for (auto* out : {&a, &b}) {
+      at::Tensor q = p.detach().clone().requires_grad_(true);
+      q.mutable_grad() = p.grad().clone();
+      out->push_back(q);
+    }
+  }
+  const auto options = torch::optim::AdamWOptions(6e-4).betas({0.9, 0.95}).weight_decay(0.1);
+  torch::optim::AdamW plain(a, options);
+  dtrain::FusedAdamW fused(b, options);
+  for (int step = 0; step < 3; ++step) {
+    plain.step();
+    fused.step();
+  }
+  if (corrupt) {
+    at::NoGradGuard no_grad;
+    b.back().view(-1)[0].add_(1e-3);
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::allclose(a[i], b[i], /*rtol=*/1e-6, /*atol=*/1e-7)) {
+      std::fprintf(stderr,
+                   "verification failed: FusedAdamW differs from torch::optim::AdamW on parameter "
+                   "%zu (max |diff| %g)\n",
+                   i, (a[i] - b[i]).abs().max().item<double>());
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Our own flag, removed before Google Benchmark parses the rest.
+  bool corrupt = false;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--corrupt_for_test") == 0) {
+      corrupt = true;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  if (!verify(corrupt)) return 1;
   dtrain::tune_host_memory();
   benchmark::AddCustomContext("huge_pages",
                               dtrain::malloc_huge_pages_requested() ? "requested" : "no");
   dtrain::bench::add_machine_context();
-  benchmark::RunSpecifiedBenchmarks();
+  const size_t ran = benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  if (ran == 0) {
+    std::fprintf(stderr, "no benchmark matched the filter\n");
+    return 1;
+  }
   return 0;
 }

@@ -140,27 +140,32 @@ void VerifiedFile::read(uint64_t offset, void* out, size_t n) {
   const uint64_t cb = expected_.chunk_bytes;
   const uint64_t first = offset / cb, last = (offset + n - 1) / cb;
   // Read whole chunks: each is verified once, then copied out.
-  std::vector<uint8_t> buf;
   for (uint64_t k = first; k <= last; ++k) {
     const uint64_t begin = k * cb;
     const uint64_t len = std::min(cb, expected_.size - begin);
     const uint64_t lo = std::max(offset, begin), hi = std::min(offset + n, begin + len);
     auto* dst = static_cast<uint8_t*>(out) + (lo - offset);
+    if (k == last_chunk_index_) {
+      std::memcpy(dst, last_chunk_.data() + (lo - begin), hi - lo);
+      continue;
+    }
     if (verified_[k]) {
       read_exact(fd_, path_, lo, dst, hi - lo);
       bytes_read_ += hi - lo;
       continue;
     }
-    buf.resize(len);
-    read_exact(fd_, path_, begin, buf.data(), len);
+    last_chunk_index_ = UINT64_MAX;  // until the new contents are verified
+    last_chunk_.resize(len);
+    read_exact(fd_, path_, begin, last_chunk_.data(), len);
     bytes_read_ += len;
-    if (crc32c(0, buf.data(), len) != expected_.chunk_crcs[k]) {
+    if (crc32c(0, last_chunk_.data(), len) != expected_.chunk_crcs[k]) {
       throw CheckpointError(
           fmt::format("{}: checksum mismatch in bytes [{}, {}): the file is corrupted", path_,
                       begin, begin + len));
     }
     verified_[k] = true;
-    std::memcpy(dst, buf.data() + (lo - begin), hi - lo);
+    last_chunk_index_ = k;
+    std::memcpy(dst, last_chunk_.data() + (lo - begin), hi - lo);
   }
 }
 

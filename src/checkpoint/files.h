@@ -87,6 +87,10 @@ class VerifiedFile final : public ByteSource {
   int fd_ = -1;
   FileDigest expected_;
   std::vector<bool> verified_;
+  // The chunk verified last: tensors are read in file order, so the next read usually
+  // starts inside it, and its bytes are not read from the file a second time.
+  std::vector<uint8_t> last_chunk_;
+  uint64_t last_chunk_index_ = UINT64_MAX;
   uint64_t bytes_read_ = 0;
 };
 

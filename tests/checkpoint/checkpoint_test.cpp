@@ -45,6 +45,7 @@ struct RankSetup {
   int world = 1;
   ShardingStrategy sharding = ShardingStrategy::kFullShard;
   int group = 0;  // hybrid shard group size
+  int64_t dim = 16;  // the test transformer's width
 };
 
 std::vector<Batch> global_batches() {
@@ -57,8 +58,9 @@ std::vector<Batch> global_batches() {
 }
 
 // The test transformer plus a buffer and a frozen parameter.
-std::shared_ptr<torch::nn::Module> make_ckpt_model() {
-  auto m = make_model(Model::kTransformer, 7);
+std::shared_ptr<torch::nn::Module> make_ckpt_model(int64_t dim = 16) {
+  torch::manual_seed(7);
+  auto m = TinyTransformer(/*vocab=*/50, /*ctx=*/8, dim, /*heads=*/2, /*layers=*/2).ptr();
   m->register_buffer("counter", at::arange(5, at::kFloat) * 3);
   m->register_parameter("frozen", at::randn({3, 2}), /*requires_grad=*/false);
   return m;
@@ -94,7 +96,7 @@ void run_setup(const RankSetup& setup, const std::function<void(Rank&)>& fn) {
         Rank rk;
         rk.rank = r;
         rk.world = setup.world;
-        rk.module = make_ckpt_model();
+        rk.module = make_ckpt_model(setup.dim);
         if (setup.strategy == "single") {
           rk.strategy = std::make_shared<SingleDevice>(rk.module);
         } else {
@@ -247,29 +249,53 @@ void any_to_any(CheckpointFormat format) {
 TEST(Checkpoint, AnyToAnySharded) { any_to_any(CheckpointFormat::kSharded); }
 TEST(Checkpoint, AnyToAnyFull) { any_to_any(CheckpointFormat::kFull); }
 
-// Sharded FSDP: a rank writes and reads about its share, never the whole model.
+// Sharded FSDP: a rank writes and reads its share, never the whole model. The model is wide
+// enough (about 72 MiB of parameters and AdamW moments, 18 MiB a share) that a rank writing
+// or reading the whole state, or another rank's share too, exceeds the bounds by far more
+// than the loader's fixed costs: it opens every rank's file for the replicated tensors
+// (buffers, frozen parameters), whose pieces every rank writes, and verifying a piece reads
+// its whole 1 MiB chunk, plus the chunk holding the file's header.
 TEST(Checkpoint, ShardedFsdpBytesPerRank) {
+  constexpr int kWorld = 4;
+  constexpr int64_t kDim = 512;
+  constexpr int64_t kChunk = 1 << 20;
   TempDir dir("ckpt_bytes");
   const auto data = global_batches();
-  std::vector<int64_t> written(4), read(4);
-  RankSetup s{"fsdp_full4", "fsdp", 4, ShardingStrategy::kFullShard};
+  // The whole model state as one rank writes it (single device, same model and optimizer).
+  int64_t whole = 0;
+  run_setup({"single", "single", 1, ShardingStrategy::kFullShard, 0, kDim}, [&](Rank& rk) {
+    rk.step(data[0]);
+    TrainingState st;
+    st.step = 1;
+    whole = save_checkpoint((dir.path() / "single").string(), *rk.strategy, rk.opt.get(), st).bytes;
+  });
+  ASSERT_GT(whole, 64 * kChunk);
+  std::vector<int64_t> written(kWorld), read(kWorld);
+  RankSetup s{"fsdp_full4", "fsdp", kWorld, ShardingStrategy::kFullShard, 0, kDim};
+  const std::string sharded = (dir.path() / "fsdp").string();
   run_setup(s, [&](Rank& rk) {
     rk.step(data[0]);
     TrainingState st;
     st.step = 1;
-    written[rk.rank] = save_checkpoint(dir.path().string(), *rk.strategy, rk.opt.get(), st).bytes;
+    written[rk.rank] = save_checkpoint(sharded, *rk.strategy, rk.opt.get(), st).bytes;
     CheckpointStats ls;
-    load_checkpoint(latest_checkpoint(dir.path().string()), *rk.strategy, rk.opt.get(), {}, &ls);
+    load_checkpoint(latest_checkpoint(sharded), *rk.strategy, rk.opt.get(), {}, &ls);
     read[rk.rank] = ls.bytes;
   });
+  const int64_t share = whole / kWorld;
   int64_t total = 0;
-  for (int r = 1; r < 4; ++r) total += written[r];
-  for (int r = 1; r < 4; ++r) {
-    // Rank 0 also writes extra.safetensors; the others write a quarter each (± rounding).
-    EXPECT_GT(written[r], 0);
-    EXPECT_LT(written[r], total / 3 * 1.2) << r;
-    EXPECT_LT(read[r], 2 * (total / 3) + 2 * (1 << 20)) << r;  // chunk-rounded
+  for (int r = 0; r < kWorld; ++r) {
+    total += written[r];
+    // A share, plus padding to the world size and the headers (rank 0 also writes the
+    // replicated extras: buffers, frozen parameters, step counts: a few KiB here).
+    EXPECT_GT(written[r], share * 9 / 10) << "rank " << r;
+    EXPECT_LT(written[r], share * 11 / 10) << "rank " << r;
+    // Its own share, plus at most two chunks of every file.
+    EXPECT_LT(read[r], written[r] + kWorld * 2 * kChunk) << "rank " << r;
   }
+  // Nothing is written twice: the shards add up to the whole state.
+  EXPECT_LT(total, whole * 21 / 20);
+  EXPECT_GT(total, whole * 19 / 20);
 }
 
 // Refusals: every message is one line naming the file and the problem, and nothing is
