@@ -132,8 +132,9 @@ std::vector<Case> cases() {
       make("mlp_bf16_compress",
            [](Case& c) {
              c.hook = bf16_compress_hook;
-             c.rtol = 5e-2;
-             c.atol = 1e-2;
+             // Measured here: max |diff| 6.5e-4 (worlds 1-4).
+             c.rtol = 1e-2;
+             c.atol = 2e-3;
            }),
   };
 }

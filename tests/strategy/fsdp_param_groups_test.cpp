@@ -214,7 +214,10 @@ std::vector<GroupCase> group_cases() {
              c.world = 4;
              c.sharding = ShardingStrategy::kHybridShard;
            }),
-      // bf16 compute, fp32 master shards and views (tolerances as FsdpEquivalence's bf16).
+      // bf16 compute, fp32 master shards and views. AdamW moves an element by about lr per
+      // step whatever its gradient's size, so bf16's rounding of small gradients shows at
+      // full step size: measured max |diff| 0.024 after the steps here (so wider than
+      // FsdpEquivalence's SGD bound).
       make("fsdp_bf16_world2",
            [](GroupCase& c) {
              c.param_dtype = at::kBFloat16;

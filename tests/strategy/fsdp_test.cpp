@@ -144,9 +144,10 @@ FsdpCase bf16_case() {
   FsdpCase c;
   c.name = "bf16_params";
   c.param_dtype = at::kBFloat16;
-  // bf16 keeps 8 significant bits: forward and gradients round at ~4e-3 relative.
-  c.rtol = 5e-2;
-  c.atol = 2e-2;
+  // bf16 keeps 8 significant bits: forward and gradients round at ~4e-3 relative. Measured
+  // here: max |diff| 3.5e-3 against fp32 single-device training (worlds 1-4).
+  c.rtol = 1e-2;
+  c.atol = 1e-2;
   return c;
 }
 INSTANTIATE_TEST_SUITE_P(MixedPrecision, FsdpEquivalence,

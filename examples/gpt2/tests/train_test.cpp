@@ -178,6 +178,10 @@ RunResult* TrainerTest::single_ = nullptr;
 
 // fp32 with a different summation order: differences stay near rounding.
 constexpr double kFp32Tolerance = 1e-4;
+// bf16 (autocast, or FSDP's bf16 parameters) against fp32, per step's loss and grad norm.
+// Measured here (LibTorch 1.13): under 1e-2 for autocast; FSDP bf16 1.9e-3 (GPT-2) and 5.4e-3
+// (BERT, its grad norm) at most over the 6 steps.
+constexpr double kBf16VsFp32Tolerance = 2e-2;
 
 TEST_F(TrainerTest, SingleWritesStepAndEpochMetrics) {
   ASSERT_EQ(single_->exit_code, 0) << single_->output;
@@ -289,7 +293,7 @@ TEST_F(TrainerTest, ActivationCheckpointingMatchesSingle) {
 TEST_F(TrainerTest, FsdpBf16MixedPrecisionStaysClose) {
   RunResult fsdp = run_trainer("fsdp_bf16", with(common_args(), {"--strategy=fsdp", "--nproc=2",
                                                                  "--batch=2", "--precision=bf16"}));
-  expect_same_curve(*single_, fsdp, 5e-2);
+  expect_same_curve(*single_, fsdp, kBf16VsFp32Tolerance);
 }
 
 using dtrain::testing::ScopedEnv;
@@ -583,9 +587,8 @@ TEST(TrainerErrors, BertRefusesGpt2WeightFiles) {
 // ---- Mixed precision: bf16 autocast under single and ddp, the loss scale in checkpoints ----
 
 // Measured here: ddp and single bf16 differ by under 1e-3 per step (each rank rounds its own
-// rows' bf16 weight gradients before the fp32 average), bf16 and fp32 by under 1e-2.
+// rows' bf16 weight gradients before the fp32 average).
 constexpr double kBf16StrategyTolerance = 5e-3;
-constexpr double kBf16VsFp32Tolerance = 2e-2;
 
 TEST_F(TrainerTest, Bf16AutocastSingleAndDdpAgreeAndStayNearFp32) {
   RunResult single = run_trainer(
@@ -689,7 +692,7 @@ TEST_F(BertTrainerTest, Bf16UnderDdpAndFsdpStaysClose) {
   RunResult fsdp =
       run_trainer("bert_fsdp_bf16",
                   bert_args({"--strategy=fsdp", "--nproc=2", "--batch=2", "--precision=bf16"}));
-  expect_same_curve(*single_, fsdp, 5e-2);
+  expect_same_curve(*single_, fsdp, kBf16VsFp32Tolerance);
 }
 
 }  // namespace
