@@ -39,7 +39,8 @@
 #   OUT=report  DTRAIN_BUILD_DIR=build  DTRAIN_DATA_DIR=data
 #   DRY_RUN=1             install, build and train nothing: probe the CPU with an already built
 #                         dtrain-run, print the runs, write README.md's preamble (with the
-#                         bf16 line) and stop. With DTRAIN_HIDE_NATIVE_BF16=1 (a test hook,
+#                         bf16 line) and env.txt into OUT (unset: a new temporary folder, never
+#                         the last report) and stop. With DTRAIN_HIDE_NATIVE_BF16=1 (a test hook,
 #                         include/dtrain/blas.h) the probe reports no native bf16 on any CPU:
 #                         tests/scripts/comparison_variants_test.sh checks the selection so.
 # e.g. on an 8-GPU machine:
@@ -118,6 +119,13 @@ if [ "$dry_run" != 1 ]; then
   "$root/scripts/install-deps.sh"
   DTRAIN_BUILD_DIR="$build" "$root/scripts/build.sh" "$@"
   "$root/scripts/fetch-data.sh"
+else
+  if [ ! -x "$build/src/launcher/dtrain-run" ]; then
+    echo "run-comparison: DRY_RUN=1 needs a built $build/src/launcher/dtrain-run (scripts/build.sh)" >&2
+    exit 1
+  fi
+  # Never over the last real report.
+  if [ -z "${OUT:-}" ]; then out="$(mktemp -d)"; fi
 fi
 bin="$build/examples/gpt2/gpt2_train"
 mkdir -p "$out"
