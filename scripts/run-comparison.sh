@@ -12,12 +12,17 @@
 #   <run>.log     the run's console output (GPT-2: ends with a generated sample)
 #   README.md     summary table (each strategy vs single as a ratio) and the figures
 #   *.png         throughput, gradient norm, time, memory per epoch; loss curves (gnuplot)
-#   env.txt       machine, load, versions, the BLAS and its kernel, the exact commands
+#   env.txt       machine, load, versions, the BLAS and its kernel, whether the CPU computes
+#                 bf16 natively (cpu_bf16_native), the exact commands
 #
-# The default is sized for a 2-core CPU (7 min 12 s measured there, warm build): the tiny preset
-# (16.1M parameters, context 128), a global batch of 8 sequences, and "epochs" of 20 steps
-# over the first 21.5K training tokens of the corpus (MAX_TOKENS=24576, 1/8 held out for
-# validation), 4 epochs, plus two variants. Environment (all optional) to scale it up, e.g. on GPUs:
+# The default is sized for a 2-core CPU (how long it takes, per CPU class: docs/gpt2.md, "How
+# long the main job takes"): the tiny preset (16.1M parameters, context 128), a global batch
+# of 8 sequences, and "epochs" of 20 steps over the first 21.5K training tokens of the corpus
+# (MAX_TOKENS=24576, 1/8 held out for validation), 4 epochs, plus two variants. On a CPU
+# without native bf16 (no avx512_bf16 or AMX-BF16: dtrain-run --blas_info's cpu_bf16_native)
+# the default skips fsdp-bf16, whose bf16 is emulated there and was 19-24x slower than fp32,
+# and the report says so; setting VARIANTS runs exactly what it names.
+# Environment (all optional) to scale it up, e.g. on GPUs:
 #   MODEL=tiny            preset: tiny | paper-27m | gpt2 (GPT-2), bert-tiny | bert (BERT: masked
 #                         LM, 15% of positions predicted; no text samples; default OUT
 #                         report/<model>); every variant below applies to both models
@@ -28,9 +33,16 @@
 #   DEVICE=cpu            cpu | cuda (one GPU per rank; needs the NCCL backend)
 #   VARIANTS="ddp-ps fsdp-bf16"  extra runs: ddp-ps (parameter-server reduction),
 #                         ddp-bf16 (bf16-compressed all-reduce), fsdp-bf16 (FSDP bf16 mixed
-#                         precision), fsdp-grad_op (ZeRO-2); VARIANTS= runs the main three
+#                         precision), fsdp-grad_op (ZeRO-2); VARIANTS= runs the main three.
+#                         Unset: "ddp-ps fsdp-bf16", less fsdp-bf16 without native bf16
 #   TRAIN_ARGS="..."      more gpt2_train flags for every run, after the defaults (e.g. "--ctx 256 --lr 6e-4")
 #   OUT=report  DTRAIN_BUILD_DIR=build  DTRAIN_DATA_DIR=data
+#   DRY_RUN=1             install, build and train nothing: probe the CPU with an already built
+#                         dtrain-run, print the runs, write README.md's preamble (with the
+#                         bf16 line) and env.txt into OUT (unset: a new temporary folder, never
+#                         the last report) and stop. With DTRAIN_HIDE_NATIVE_BF16=1 (a test hook,
+#                         include/dtrain/blas.h) the probe reports no native bf16 on any CPU:
+#                         tests/scripts/comparison_variants_test.sh checks the selection so.
 # e.g. on an 8-GPU machine:
 #   DEVICE=cuda NPROC=8 MODEL=gpt2 GLOBAL_BATCH=64 MAX_TOKENS=0 EPOCHS=3 scripts/run-comparison.sh
 # or BERT, briefly, on 2 cores (measured in docs/bert.md):
@@ -51,21 +63,88 @@ max_tokens="${MAX_TOKENS:-24576}"
 global_batch="${GLOBAL_BATCH:-8}"
 nproc="${NPROC:-2}"
 device="${DEVICE:-cpu}"
-variants="${VARIANTS-ddp-ps fsdp-bf16}"
+# VARIANTS set (even empty): exactly those. Unset: the defaults, which the CPU may trim below.
+if [ -n "${VARIANTS+set}" ]; then
+  variants="$VARIANTS" variants_forced=1
+else
+  variants="ddp-ps fsdp-bf16" variants_forced=0
+fi
 train_args="${TRAIN_ARGS:-}"
+dry_run="${DRY_RUN:-0}"
 started=$(date +%s)
+
+# The variants that compute in bf16 (gpt2_train --precision bf16).
+is_bf16_compute() { [ "$1" = fsdp-bf16 ]; }
+
+# select_variants NATIVE FORCED VARIANT...: what runs, into `selected`, and the report's line
+# about bf16 into `variant_note` ("" when there is nothing to say). NATIVE is the probe's
+# true/false (unknown when it failed); FORCED=1 when the user set VARIANTS, which is never
+# trimmed. Without native bf16 the default bf16 variant is skipped: emulated, it was 19-24x
+# slower than fp32 (18.9 vs 0.8-1.0 s/step on a 2-core AVX2-only AMD EPYC), and it alone would
+# take longer than the rest of the job.
+select_variants() {
+  local native="$1" forced="$2" v
+  shift 2
+  selected=()
+  local skipped=() bf16=()
+  for v in "$@"; do
+    if is_bf16_compute "$v" && [ "$native" = false ] && [ "$forced" = 0 ]; then
+      skipped+=("$v")
+    else
+      selected+=("$v")
+      if is_bf16_compute "$v"; then bf16+=("$v"); fi
+    fi
+  done
+  variant_note=""
+  if [ "${#skipped[@]}" -gt 0 ]; then
+    variant_note="Skipped: ${skipped[*]}. This CPU has no native bf16 (missing: avx512_bf16 or"
+    variant_note+=" amx_bf16), so bf16 is emulated there, 19-24x slower than fp32 where measured"
+    variant_note+=" (docs/gpt2.md, \"bf16 on CPUs\"); VARIANTS=\"${variants}\" runs it anyway."
+  elif [ "${#bf16[@]}" -gt 0 ] && [ "$native" = false ]; then
+    variant_note="${bf16[*]} ran on a CPU without native bf16 (missing: avx512_bf16 or"
+    variant_note+=" amx_bf16), as VARIANTS asked: its bf16 is emulated, so its numbers show the"
+    variant_note+=" emulation, not bf16's speed (docs/gpt2.md, \"bf16 on CPUs\")."
+  elif [ "${#bf16[@]}" -gt 0 ] && [ "$native" = unknown ]; then
+    variant_note="Whether this CPU computes bf16 natively is unknown (dtrain-run --blas_info"
+    variant_note+=" failed): ${bf16[*]} may show emulated bf16 (docs/gpt2.md, \"bf16 on CPUs\")."
+  fi
+}
 
 if [ $((global_batch % nproc)) -ne 0 ]; then
   echo "run-comparison: GLOBAL_BATCH=$global_batch is not a multiple of NPROC=$nproc" >&2
   exit 1
 fi
 
-"$root/scripts/install-deps.sh"
-DTRAIN_BUILD_DIR="$build" "$root/scripts/build.sh" "$@"
-"$root/scripts/fetch-data.sh"
+if [ "$dry_run" != 1 ]; then
+  "$root/scripts/install-deps.sh"
+  DTRAIN_BUILD_DIR="$build" "$root/scripts/build.sh" "$@"
+  "$root/scripts/fetch-data.sh"
+else
+  if [ ! -x "$build/src/launcher/dtrain-run" ]; then
+    echo "run-comparison: DRY_RUN=1 needs a built $build/src/launcher/dtrain-run (scripts/build.sh)" >&2
+    exit 1
+  fi
+  # Never over the last real report.
+  if [ -z "${OUT:-}" ]; then out="$(mktemp -d)"; fi
+fi
 bin="$build/examples/gpt2/gpt2_train"
 mkdir -p "$out"
 rm -f "$out"/*.jsonl "$out"/*.log "$out"/*.png "$out"/*.dat "$out/README.md"
+
+# The BLAS and CPU probe the runs share (gpt2_train decides the same way; docs/blas.md): into
+# env.txt, and its cpu_bf16_native line decides the bf16 variant.
+if probe=$("$build/src/launcher/dtrain-run" --blas_info); then
+  cpu_bf16_native=$(sed -n 's/^cpu_bf16_native: \([a-z]*\).*/\1/p' <<<"$probe")
+else
+  probe="blas: dtrain-run --blas_info failed"
+fi
+[ -n "${cpu_bf16_native:-}" ] || cpu_bf16_native=unknown
+# On GPUs the CPU's bf16 does not matter.
+bf16_here=$cpu_bf16_native
+[ "$device" = cpu ] || bf16_here=true
+# shellcheck disable=SC2086
+select_variants "$bf16_here" "$variants_forced" $variants
+if [ -n "$variant_note" ]; then echo "run-comparison: $variant_note" >&2; fi
 
 # Idle OpenMP workers sleep instead of spinning: on a shared or oversubscribed CPU spinning
 # threads steal the cores the other ranks (and the single run's second thread) compute on.
@@ -83,7 +162,7 @@ common=(--model "$model" --epochs "$epochs" --max_tokens "$max_tokens" --val_fra
 runs=("single|--strategy single --batch $global_batch"
   "ddp|--strategy ddp --nproc $nproc --batch $per_rank"
   "fsdp|--strategy fsdp --nproc $nproc --batch $per_rank")
-for v in $variants; do
+for v in "${selected[@]}"; do
   case "$v" in
     ddp-ps) runs+=("ddp-ps|--strategy ddp --nproc $nproc --batch $per_rank --comm_hook ps") ;;
     ddp-bf16) runs+=("ddp-bf16|--strategy ddp --nproc $nproc --batch $per_rank --comm_hook bf16") ;;
@@ -106,8 +185,38 @@ done
   echo "OMP_WAIT_POLICY=$OMP_WAIT_POLICY"
   # The BLAS the runs load and its kernel; gpt2_train --blas_kernel auto (the default) decides
   # what "ranks get" says the same way, for its ranks and its single process (docs/blas.md).
-  "$build/src/launcher/dtrain-run" --blas_info || echo "blas: dtrain-run --blas_info failed"
+  # cpu_bf16_native: whether the CPU computes bf16 natively (docs/gpt2.md, "bf16 on CPUs").
+  echo "$probe"
+  if [ -n "$variant_note" ]; then echo "variants: $variant_note"; fi
 } >"$out/env.txt"
+
+# The report's opening: title, where to read about it, the configuration, the bf16 line.
+report_preamble() {
+  echo "# $title: single device vs DDP vs FSDP"
+  echo
+  echo "Generated by \`scripts/run-comparison.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC');" \
+    "how to read it: $guide. Machine and commands: [env.txt](env.txt)."
+  echo
+  echo "Configuration: model \`$model\`, $epochs epochs over the first $max_tokens corpus tokens" \
+    "(1/8 held out for validation), global batch $global_batch sequences, ranks: $nproc for" \
+    "ddp/fsdp, device $device. Every run sees the same data in the same order and starts" \
+    "from the same weights. Extra flags: \`${train_args:-none}\`."
+  echo
+  if [ -n "$variant_note" ]; then
+    echo "$variant_note"
+    echo
+  fi
+}
+
+if [ "$dry_run" = 1 ]; then
+  {
+    report_preamble
+    echo "Dry run (DRY_RUN=1): nothing was trained."
+  } >"$out/README.md"
+  for run in "${runs[@]}"; do echo "run ${run%%|*}: ${run#*|}"; done
+  echo "run-comparison: dry run; the report's preamble is in $out/README.md" >&2
+  exit 0
+fi
 
 failed=()
 names=()
@@ -174,16 +283,7 @@ summary() {
 }
 
 {
-  echo "# $title: single device vs DDP vs FSDP"
-  echo
-  echo "Generated by \`scripts/run-comparison.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC');" \
-    "how to read it: $guide. Machine and commands: [env.txt](env.txt)."
-  echo
-  echo "Configuration: model \`$model\`, $epochs epochs over the first $max_tokens corpus tokens" \
-    "(1/8 held out for validation), global batch $global_batch sequences, ranks: $nproc for" \
-    "ddp/fsdp, device $device. Every run sees the same data in the same order and starts" \
-    "from the same weights. Extra flags: \`${train_args:-none}\`."
-  echo
+  report_preamble
   # What each run's rank 0 reported loading (the metrics' blas and blas_kernel).
   blas_runs=$(for name in "${names[@]}"; do
     awk "$json_awk"'/"kind": "step"/ { print get($0, "blas") ", kernel " get($0, "blas_kernel"); exit }' \

@@ -121,7 +121,9 @@ ABSL_FLAG(std::string, precision, "fp32",
           "linears in bf16/fp16; fp32 weights, gradients, Adam state and loss; "
           "dtrain/autocast.h). fsdp: FSDP mixed precision (param_dtype: the blocks compute in "
           "bf16/fp16 from fp32 shards; fp32 optimizer). fp16 needs --device cuda (CPU kernels "
-          "lack fp16) and is loss-scaled (--loss_scale). See docs/strategies.md.");
+          "lack fp16) and is loss-scaled (--loss_scale). bf16 on a CPU without native bf16 "
+          "(avx512_bf16, AMX-BF16) is emulated and many times slower than fp32: it runs, with "
+          "one warning (docs/gpt2.md, \"bf16 on CPUs\"). See docs/strategies.md.");
 ABSL_FLAG(std::string, loss_scale, "auto",
           "auto | none | dynamic | <scale>. Multiply the loss by a scale before backward and "
           "divide the gradients by it before clipping (dtrain::GradScaler), so that small fp16 "

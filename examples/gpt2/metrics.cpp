@@ -76,6 +76,12 @@ JsonLine& JsonLine::add(const std::string& k, int64_t value) {
   return *this;
 }
 
+JsonLine& JsonLine::add(const std::string& k, bool value) {
+  key(k);
+  body_ += value ? "true" : "false";
+  return *this;
+}
+
 JsonLine& JsonLine::add(const std::string& k, const std::string& value) {
   key(k);
   body_ += quoted(value);

@@ -21,6 +21,7 @@ class JsonLine {
  public:
   JsonLine& add(const std::string& key, double value);
   JsonLine& add(const std::string& key, int64_t value);
+  JsonLine& add(const std::string& key, bool value);  // true / false
   JsonLine& add(const std::string& key, int value) { return add(key, int64_t{value}); }
   JsonLine& add(const std::string& key, const std::string& value);
   JsonLine& add(const std::string& key, const char* value) { return add(key, std::string(value)); }

@@ -19,6 +19,9 @@ struct RunLabels {
   std::string strategy;     // Strategy::name()
   std::string blas;         // library and version
   std::string blas_kernel;  // "unknown" when the library does not say
+  // The CPU computes bf16 natively (avx512_bf16 or AMX-BF16; dtrain/blas.h). false: bf16 is
+  // emulated and --precision bf16 runs many times slower than fp32 (docs/gpt2.md).
+  bool cpu_bf16_native = false;
 };
 
 class Reporter {

@@ -82,6 +82,7 @@ void Trainer::run() {
   labels.strategy = strategy_->name();
   labels.blas = blas_label(blas_.info);
   labels.blas_kernel = blas_.info.kernel.empty() ? "unknown" : blas_.info.kernel;
+  labels.cpu_bf16_native = blas_.cpu.native_bf16();
   report_.start(std::move(labels), schedule.total_steps, schedule.epochs, c_.log_every,
                 c_.metrics_out);
   if (rank0() && !c_.profile_out.empty()) op_profile_ = std::make_unique<OpProfile>();

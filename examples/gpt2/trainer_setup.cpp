@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
@@ -49,6 +50,11 @@ void Trainer::setup_process() {
   threads_ = c_.threads > 0 ? c_.threads : std::max(1, available_cores() / info_.local_world_size);
   at::set_num_threads(threads_);
   say("blas: " + blas_.plan.note);
+  const dtrain::CpuFeatures& cpu = blas_.cpu;
+  say(fmt::format("cpu: {}{} {}; cpu_bf16_native {}", cpu.model.empty() ? "" : cpu.model + ", ",
+                  cpu.arch, cpu.summary(),
+                  cpu.native_bf16() ? "true (" + cpu.bf16_features() + ")"
+                                    : std::string("false (bf16 is emulated)")));
   if (c_.malloc_tuning) {
     const bool tuned = dtrain::tune_host_memory();
     say(tuned ? fmt::format("host memory: blocks >= 4 MiB from mmap, heap trimmed above 4 MiB, "
@@ -169,6 +175,9 @@ void Trainer::setup_model_and_strategy() {
   }
   std::shared_ptr<torch::nn::Module> module = task_->module();
 
+  // bf16 on a CPU without native bf16: warned once for the job below, not by each rank's
+  // library objects.
+  const dtrain::Bf16CpuCheck quiet_bf16_check{blas_.cpu, false};
   std::string details;
   switch (c_.strategy) {
     case StrategyKind::kSingle: {
@@ -199,6 +208,7 @@ void Trainer::setup_model_and_strategy() {
       o.use_orig_params = true;  // per-parameter views: AdamW's groups (setup_optimizer)
       if (c_.precision == Precision::kBf16) o.mixed_precision.param_dtype = at::kBFloat16;
       if (c_.precision == Precision::kFp16) o.mixed_precision.param_dtype = at::kHalf;
+      o.mixed_precision.cpu_check = quiet_bf16_check;
       if (c_.comm_hook == CommHookKind::kBf16) o.mixed_precision.reduce_dtype = at::kBFloat16;
       if (c_.comm_hook == CommHookKind::kFp16) o.mixed_precision.reduce_dtype = at::kHalf;
       if (o.sharding == dtrain::ShardingStrategy::kHybridShard) {
@@ -229,8 +239,18 @@ void Trainer::setup_model_and_strategy() {
     autocast_ = dtrain::Autocast{device_.type(), c_.precision == Precision::kBf16
                                                      ? c10::ScalarType::BFloat16
                                                      : c10::ScalarType::Half};
+    autocast_->cpu_check = quiet_bf16_check;
     dtrain::check_autocast(*autocast_);
     details += fmt::format(", autocast {}", to_string(c_.precision));
+  }
+  // It runs (bf16's numerics may be the point), but the user learns the price first.
+  if (c_.precision == Precision::kBf16 && device_.is_cpu() && rank0()) {
+    const std::string warning = dtrain::bf16_emulation_warning(blas_.cpu);
+    if (!warning.empty()) {
+      fmt::print(stderr, "warning: --precision bf16: {} See docs/gpt2.md, \"bf16 on CPUs\".\n",
+                 warning);
+      std::fflush(stderr);
+    }
   }
   say(fmt::format("strategy: {} on {} rank(s), device {}, precision {}{}", strategy_->name(),
                   info_.world_size, device_.str(), to_string(c_.precision), details));

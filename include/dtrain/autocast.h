@@ -23,20 +23,40 @@
 //
 // fp16 needs loss scaling against gradient underflow (dtrain/grad_scaler.h); bf16 has fp32's
 // range and needs none.
+//
+// CPU bf16 is fast only on a CPU with native bf16 (avx512_bf16 or AMX-BF16, dtrain/blas.h);
+// elsewhere it is emulated and many times slower than fp32. It still runs, and the first
+// guard of an Autocast warns once through TORCH_WARN (see Autocast::cpu_check).
 #pragma once
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
+#include <memory>
+#include <mutex>
+
+#include "dtrain/blas.h"
+
 namespace dtrain {
 
 struct Autocast {
+  // Autocast{c10::kCPU, c10::kBFloat16}; the other fields keep their defaults.
+  explicit Autocast(c10::DeviceType device_type = c10::DeviceType::CPU,
+                    c10::ScalarType low_dtype = c10::ScalarType::BFloat16)
+      : device(device_type), dtype(low_dtype) {}
+
   // The device type whose ops are autocast: kCPU or kCUDA (tensors of other devices are not
   // affected).
-  c10::DeviceType device = c10::DeviceType::CPU;
+  c10::DeviceType device;
   // The low-precision dtype: kBFloat16 (CPU and CUDA) or kHalf (CUDA only: LibTorch's CPU
   // autocast supports bf16 only).
-  c10::ScalarType dtype = c10::ScalarType::BFloat16;
+  c10::ScalarType dtype;
+  // CPU bf16 on a CPU without native bf16: the first AutocastGuard made from this Autocast
+  // (or a copy) warns through TORCH_WARN; later guards do not. cpu_check.warn = false: no
+  // warning (say it yourself); cpu_check.cpu injects the CPU (default: CpuFeatures::detect()).
+  Bf16CpuCheck cpu_check;
+  // Shared by copies: the check above runs once per Autocast and its copies, not per forward.
+  std::shared_ptr<std::once_flag> checked = std::make_shared<std::once_flag>();
 };
 
 // Enables `autocast` on this thread for the guard's scope and restores the previous

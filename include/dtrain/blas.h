@@ -12,9 +12,14 @@
 //
 // No OpenBLAS header is needed: its query functions are looked up at run time, so dtrain runs
 // the same on reference BLAS, BLIS or MKL (which are reported, and left alone).
+//
+// The same probe says whether the CPU computes bf16 natively (CpuFeatures::native_bf16()):
+// without avx512_bf16 or AMX-BF16, bf16 mixed precision converts every value in software and
+// runs many times slower than fp32 (docs/benchmarks.md, "bf16 vs fp32 by CPU class").
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 
 namespace dtrain {
@@ -29,12 +34,55 @@ struct CpuFeatures {
   bool sse3 = false, ssse3 = false, sse4_2 = false, avx = false, avx2 = false, fma = false;
   bool avx512f = false, avx512cd = false, avx512bw = false, avx512dq = false, avx512vl = false;
   bool avx512_bf16 = false;
+  // AMX with bf16 tiles (Sapphire Rapids and later), counted when the OS saves tile state.
+  bool amx_bf16 = false;
 
   // This machine's CPU (cpuid; every flag false on other architectures).
   static CpuFeatures detect();
-  // The widest vector level, e.g. "avx512 (f cd bw dq vl bf16)", "avx2+fma", "sse4.2", "none".
+  // The widest vector level, e.g. "avx512 (f cd bw dq vl bf16)", "avx2+fma", "sse4.2", "none";
+  // " amx-bf16" is added inside the parentheses when present.
   std::string summary() const;
+
+  // True when the CPU computes bf16 in hardware: avx512_bf16 or amx_bf16. Only x86-64 is
+  // probed: false on other architectures (dtrain cannot tell there).
+  bool native_bf16() const { return avx512_bf16 || amx_bf16; }
+  // The native bf16 features present ("avx512_bf16", "amx_bf16", "avx512_bf16 amx_bf16");
+  // "" when none.
+  std::string bf16_features() const;
 };
+
+// The warning for bf16 compute (autocast, FSDP's bf16 param_dtype, gpt2_train --precision
+// bf16) on `cpu`: that bf16 is emulated there, the slowdown measured on such a CPU (or that
+// it was not measured for the CPU's class), and that fp32 is faster. "" when
+// cpu.native_bf16(). The one text every place that warns uses. Pure.
+std::string bf16_emulation_warning(const CpuFeatures& cpu);
+
+// What CPU bf16 mixed precision (dtrain::Autocast, FsdpOptions::mixed_precision) does about
+// a CPU without native bf16: it runs (bf16's numerics may be what the user wants) and warns
+// once through LibTorch's warning channel (TORCH_WARN; a c10 warning handler intercepts it).
+struct Bf16CpuCheck {
+  // The CPU judged; unset: CpuFeatures::detect(). Inject one to test, as plan_blas_kernel()
+  // takes its CPU.
+  std::optional<CpuFeatures> cpu;
+  // false: no warning (for a program that says it itself, as gpt2_train does once per job).
+  bool warn = true;
+};
+
+// Test hook: DTRAIN_HIDE_NATIVE_BF16=1 makes dtrain's programs (gpt2_train, dtrain-run and
+// through it scripts/run-comparison.sh) treat this CPU as one without native bf16, so the
+// warning and the comparison's skipped bf16 variant can be tested on any CPU. It changes only
+// what dtrain reports and decides, not how LibTorch computes.
+inline constexpr const char* kHideNativeBf16Env = "DTRAIN_HIDE_NATIVE_BF16";
+
+// `cpu` with avx512_bf16 and amx_bf16 cleared when env holds DTRAIN_HIDE_NATIVE_BF16=1;
+// unchanged when it is absent, "" or "0". Throws std::invalid_argument naming the variable
+// for any other value. Pure.
+CpuFeatures apply_cpu_feature_hooks(CpuFeatures cpu, const std::map<std::string, std::string>& env);
+
+// CpuFeatures::detect() with this process's DTRAIN_HIDE_NATIVE_BF16 applied: what gpt2_train
+// and dtrain-run report and decide with. The only place dtrain reads that variable; the
+// library's own default (Bf16CpuCheck without a cpu) ignores it.
+CpuFeatures cpu_features_from_env();
 
 // The BLAS a process uses, as far as it can be identified.
 struct BlasInfo {

@@ -65,6 +65,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/blas.h"
 #include "dtrain/communicator.h"
 #include "dtrain/strategy.h"
 
@@ -97,6 +98,10 @@ struct MixedPrecision {
   // in this dtype (the module updates them in it). full_state_dict() and checkpoints hold
   // them in their original dtype, so they load under any strategy.
   c10::optional<c10::ScalarType> buffer_dtype;
+  // param_dtype bf16 with the module on the CPU, on a CPU without native bf16 (avx512_bf16,
+  // AMX-BF16): it trains, many times slower than fp32, and rank 0 warns once at construction
+  // through TORCH_WARN. cpu_check.warn = false: no warning; cpu_check.cpu injects the CPU.
+  Bf16CpuCheck cpu_check;
 };
 
 // Decides whether a submodule becomes its own unit. Arguments: the submodule's qualified

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "amp/bf16_check.h"
 #include "compat/autocast.h"
 #include "dtrain/errors.h"
 
@@ -45,7 +46,13 @@ compat::AutocastState entered(const Autocast& a) {
 }  // namespace
 
 AutocastGuard::AutocastGuard(const Autocast& autocast) {
-  const compat::AutocastState saved = compat::enter_autocast(entered(autocast));
+  const compat::AutocastState entering = entered(autocast);
+  if (autocast.device == c10::DeviceType::CPU && autocast.dtype == c10::ScalarType::BFloat16 &&
+      autocast.checked) {
+    std::call_once(*autocast.checked,
+                   [&] { amp::warn_if_bf16_emulated(autocast.cpu_check, "autocast"); });
+  }
+  const compat::AutocastState saved = compat::enter_autocast(entering);
   cpu_ = saved.cpu;
   cuda_ = saved.cuda;
   cpu_dtype_ = saved.cpu_dtype;

@@ -15,6 +15,7 @@
 #include <set>
 #include <string>
 
+#include "amp/bf16_check.h"
 #include "dtrain/errors.h"
 #include "fsdp/active.h"
 #include "fsdp/fsdp_impl.h"
@@ -79,6 +80,12 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
     shard_rank_ = comms.shard->rank();
   }
   param_dtype_ = options_.mixed_precision.param_dtype.value_or(at::kFloat);
+  // One warning per job, not per rank.
+  const auto params = module_->parameters(true);
+  if (param_dtype_ == at::kBFloat16 && comm_->rank() == 0 && !params.empty() &&
+      params.front().device().is_cpu()) {
+    amp::warn_if_bf16_emulated(options_.mixed_precision.cpu_check, "FullyShardedDataParallel");
+  }
   fsdp::ScheduleOptions so;
   so.sharding = options_.sharding;
   so.backward_prefetch = options_.backward_prefetch;

@@ -37,7 +37,8 @@ ABSL_FLAG(std::string, blas_library, "libblas.so.3",
           "the BLAS the ranks load, probed for --blas_kernel auto (Debian's LibTorch links "
           "libblas.so.3)");
 ABSL_FLAG(bool, blas_info, false,
-          "print the BLAS, its kernel, the CPU and what the ranks would get; exit");
+          "print the BLAS, its kernel, the CPU (and whether it computes bf16 natively: "
+          "cpu_bf16_native) and what the ranks would get; exit");
 ABSL_FLAG(bool, help, false, "print this text; exit (also -h)");
 
 namespace {
@@ -100,7 +101,7 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
 // environment, which they inherit) unless the policy is keep and nothing is to be printed.
 dtrain::BlasKernelPlan plan_blas(const BlasOptions& blas, dtrain::BlasInfo& info,
                                  dtrain::CpuFeatures& cpu) {
-  cpu = dtrain::CpuFeatures::detect();
+  cpu = dtrain::cpu_features_from_env();
   if (blas.policy == dtrain::BlasKernelPolicy::kAuto || blas.info_only) {
     info = dtrain::BlasInfo::probe(blas.library);
   }
@@ -114,6 +115,11 @@ void print_blas_info(const BlasOptions& blas, const dtrain::BlasInfo& info,
   fmt::print("cpu features: {} ({} {}), {}; best OpenBLAS kernel: {}\n",
              cpu.model.empty() ? "unknown model" : cpu.model, cpu.vendor, cpu.arch, cpu.summary(),
              best.empty() ? "none known" : best);
+  // scripts/run-comparison.sh reads this line to decide whether its bf16 variant runs.
+  fmt::print("cpu_bf16_native: {}\n",
+             cpu.native_bf16()
+                 ? "true (" + cpu.bf16_features() + ")"
+                 : std::string("false (no avx512_bf16 or amx_bf16: bf16 is emulated)"));
   std::string vars;
   for (const auto& [k, v] : plan.environment) vars += fmt::format(" {}={}", k, v);
   fmt::print("ranks get:{}\n", vars.empty() ? " no BLAS variables" : vars);
@@ -137,7 +143,13 @@ int main(int argc, char** argv) {
   }
   dtrain::BlasInfo info;
   dtrain::CpuFeatures cpu;
-  const dtrain::BlasKernelPlan plan = plan_blas(blas, info, cpu);
+  dtrain::BlasKernelPlan plan;
+  try {
+    plan = plan_blas(blas, info, cpu);
+  } catch (const std::exception& e) {  // a bad DTRAIN_HIDE_NATIVE_BF16
+    fmt::print(stderr, "dtrain-run: {}\n", e.what());
+    return 2;
+  }
   if (blas.info_only) {
     print_blas_info(blas, info, cpu, plan);
     return 0;

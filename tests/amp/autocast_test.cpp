@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "compat/warnings.h"
 #include "dtrain/activation_checkpoint.h"
 #include "dtrain/autocast.h"
 #include "dtrain/errors.h"
@@ -111,6 +112,67 @@ TEST(Autocast, Fp16OnCpuIsRefused) {
   }
   EXPECT_THROW(check_autocast(Autocast{c10::DeviceType::CPU, c10::ScalarType::Float}),
                InvalidArgument);
+}
+
+// ---- CPU bf16 on a CPU without native bf16: one warning per Autocast ----
+
+CpuFeatures avx2_only() {
+  CpuFeatures c;
+  c.arch = "x86_64";
+  c.model = "AMD EPYC";
+  c.sse3 = c.ssse3 = c.sse4_2 = c.avx = c.avx2 = c.fma = true;
+  return c;
+}
+
+Autocast cpu_bf16_on(const CpuFeatures& cpu) {
+  Autocast a{c10::DeviceType::CPU, c10::ScalarType::BFloat16};
+  a.cpu_check.cpu = cpu;
+  return a;
+}
+
+size_t emulation_warnings(const compat::WarningCapture& w) {
+  size_t n = 0;
+  for (const auto& m : w.messages()) n += m.find("bf16 is emulated") != std::string::npos;
+  return n;
+}
+
+TEST(AutocastBf16Cpu, EmulatedBf16WarnsOncePerAutocastThroughTorchWarn) {
+  compat::WarningCapture warnings;
+  const Autocast amp = cpu_bf16_on(avx2_only());
+  for (int step = 0; step < 3; ++step) {
+    AutocastGuard guard(amp);
+    AutocastGuard nested(amp);
+  }
+  const Autocast copy = amp;  // copies share the once: no second warning
+  { AutocastGuard guard(copy); }
+  ASSERT_EQ(warnings.messages().size(), 1u);
+  const std::string& m = warnings.messages().front();
+  EXPECT_NE(m.find("dtrain autocast: bf16 is emulated on this CPU (AMD EPYC"), std::string::npos)
+      << m;
+  EXPECT_NE(m.find("18.9 s/step"), std::string::npos) << m;
+  EXPECT_NE(m.find("fp32 is faster on this CPU"), std::string::npos) << m;
+  // Another Autocast object warns again.
+  { AutocastGuard guard(cpu_bf16_on(avx2_only())); }
+  EXPECT_EQ(emulation_warnings(warnings), 2u);
+}
+
+TEST(AutocastBf16Cpu, NoWarningWithNativeBf16OrWhenTurnedOff) {
+  compat::WarningCapture warnings;
+  CpuFeatures native = avx2_only();
+  native.avx512f = native.avx512cd = native.avx512bw = native.avx512dq = native.avx512vl = true;
+  native.avx512_bf16 = true;
+  { AutocastGuard guard(cpu_bf16_on(native)); }
+  CpuFeatures amx = avx2_only();
+  amx.amx_bf16 = true;
+  { AutocastGuard guard(cpu_bf16_on(amx)); }
+  Autocast quiet = cpu_bf16_on(avx2_only());
+  quiet.cpu_check.warn = false;
+  { AutocastGuard guard(quiet); }
+  EXPECT_EQ(emulation_warnings(warnings), 0u);
+  // Still runs in bf16: the warning never refuses.
+  torch::nn::Linear fc(8, 4);
+  AutocastGuard guard(quiet);
+  EXPECT_EQ(fc->forward(at::randn({2, 8})).scalar_type(), at::kBFloat16);
 }
 
 // ---- As processes: bf16 under every strategy ----

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -268,9 +270,91 @@ TEST(CpuFeatures, DetectIsConsistent) {
 
 TEST(CpuFeatures, SummaryNamesTheWidestLevel) {
   EXPECT_EQ(x86(5).summary(), "avx512 (f cd bw dq vl)");
+  CpuFeatures bf16 = x86(5);
+  bf16.avx512_bf16 = bf16.amx_bf16 = true;
+  EXPECT_EQ(bf16.summary(), "avx512 (f cd bw dq vl bf16 amx-bf16)");
   EXPECT_EQ(x86(4).summary(), "avx2+fma");
   EXPECT_EQ(x86(2).summary(), "sse4.2");
   EXPECT_EQ(CpuFeatures{}.summary(), "none");
+}
+
+// ---- bf16: native or emulated ----
+
+TEST(CpuBf16, NativeMeansAvx512Bf16OrAmxBf16) {
+  EXPECT_FALSE(x86(4).native_bf16());
+  EXPECT_FALSE(avx512().native_bf16());  // AVX-512 alone: emulated
+  EXPECT_EQ(avx512().bf16_features(), "");
+  CpuFeatures c = avx512();
+  c.avx512_bf16 = true;
+  EXPECT_TRUE(c.native_bf16());
+  EXPECT_EQ(c.bf16_features(), "avx512_bf16");
+  c.amx_bf16 = true;
+  EXPECT_EQ(c.bf16_features(), "avx512_bf16 amx_bf16");
+  c.avx512_bf16 = false;
+  EXPECT_TRUE(c.native_bf16());
+  EXPECT_EQ(c.bf16_features(), "amx_bf16");
+}
+
+TEST(CpuBf16, DetectAgreesWithTheKernelsCpuFlags) {
+  const CpuFeatures c = CpuFeatures::detect();
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line) && line.rfind("flags", 0) != 0) {
+  }
+  if (line.empty() || c.arch != "x86_64") GTEST_SKIP() << "no x86 flags line in /proc/cpuinfo";
+  const auto has = [&](const std::string& flag) {
+    return (line + " ").find(" " + flag + " ") != std::string::npos;
+  };
+  EXPECT_EQ(c.avx512_bf16, has("avx512_bf16")) << line;
+  EXPECT_EQ(c.amx_bf16, has("amx_bf16")) << line;
+}
+
+TEST(CpuBf16, WarningNamesTheCpuTheMeasuredSlowdownAndFp32) {
+  CpuFeatures native = avx512();
+  native.avx512_bf16 = true;
+  EXPECT_EQ(bf16_emulation_warning(native), "");
+
+  CpuFeatures avx2 = x86(4);
+  avx2.model = "AMD EPYC";
+  const std::string w = bf16_emulation_warning(avx2);
+  EXPECT_NE(w.find("bf16 is emulated on this CPU (AMD EPYC, x86_64 avx2+fma; no avx512_bf16 "
+                   "or amx_bf16)"),
+            std::string::npos)
+      << w;
+  EXPECT_NE(w.find("18.9 s/step against 0.8-1.0 s/step"), std::string::npos) << w;
+  EXPECT_NE(w.find("fp32 is faster on this CPU"), std::string::npos) << w;
+  EXPECT_NE(w.find("still runs"), std::string::npos) << w;
+
+  // AVX-512 without bf16: the slowdown there was never measured, and the text says so.
+  const std::string w512 = bf16_emulation_warning(avx512());
+  EXPECT_NE(w512.find("has not been measured"), std::string::npos) << w512;
+  EXPECT_NE(w512.find("18.9 s/step"), std::string::npos) << w512;
+
+  CpuFeatures arm;
+  arm.arch = "aarch64";
+  EXPECT_NE(bf16_emulation_warning(arm).find("cannot tell"), std::string::npos);
+}
+
+TEST(CpuBf16, HideHookClearsOnlyTheBf16Features) {
+  CpuFeatures c = avx512();
+  c.avx512_bf16 = c.amx_bf16 = true;
+  const CpuFeatures hidden = apply_cpu_feature_hooks(c, {{kHideNativeBf16Env, "1"}});
+  EXPECT_FALSE(hidden.native_bf16());
+  EXPECT_TRUE(hidden.avx512f && hidden.avx512bw);  // the BLAS kernel choice is unchanged
+  EXPECT_EQ(best_openblas_kernel(hidden), best_openblas_kernel(c));
+  EXPECT_TRUE(apply_cpu_feature_hooks(c, {{kHideNativeBf16Env, "0"}}).native_bf16());
+  EXPECT_TRUE(apply_cpu_feature_hooks(c, {{kHideNativeBf16Env, ""}}).native_bf16());
+  EXPECT_TRUE(apply_cpu_feature_hooks(c, {}).native_bf16());
+  try {
+    apply_cpu_feature_hooks(c, {{kHideNativeBf16Env, "yes"}});
+    FAIL() << "a value other than 0 or 1 was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("DTRAIN_HIDE_NATIVE_BF16 must be 0 or 1, got 'yes'"),
+              std::string::npos)
+        << e.what();
+  }
+  ScopedEnv hide(kHideNativeBf16Env, "1");
+  EXPECT_FALSE(cpu_features_from_env().native_bf16());
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 #!/bin/sh
 # dtrain-run's contract, checked with `sh -c` ranks: the rank variables, exit status, which
 # failed rank is named, stopping the other ranks, signal forwarding, process groups (what a rank
-# starts is stopped with it), ranks dying with the launcher, and the ranks' BLAS kernel.
+# starts is stopped with it), ranks dying with the launcher, the ranks' BLAS kernel, and the
+# CPU's bf16 line.
 # Usage: dtrain_run_test.sh path/to/dtrain-run [path/to/fake_openblas.so]
 # The ranks' scripts are single-quoted on purpose: the variables expand in the ranks.
 # shellcheck disable=SC2016
@@ -248,6 +249,16 @@ if [ -n "$fake_blas" ]; then
     'test -z "${OPENBLAS_CORETYPE+set}" && test "$DTRAIN_BLAS_CHOICE" = keep'
   expect_status 2 "$run" --blas_kernel fastest -- true
 fi
+
+# 16. --blas_info says whether the CPU computes bf16 natively (run-comparison.sh reads it);
+#     DTRAIN_HIDE_NATIVE_BF16=1 makes it false on any CPU; a bad value is a usage error.
+"$run" --blas_info >"$tmp/info" 2>"$tmp/err" || fail "--blas_info failed"
+grep -Eq '^cpu_bf16_native: (true \((avx512_bf16|amx_bf16|avx512_bf16 amx_bf16)\)|false \(no avx512_bf16 or amx_bf16: bf16 is emulated\))$' \
+  "$tmp/info" || fail "--blas_info has no cpu_bf16_native line: $(cat "$tmp/info")"
+DTRAIN_HIDE_NATIVE_BF16=1 "$run" --blas_info >"$tmp/info" 2>"$tmp/err" || fail "hidden --blas_info failed"
+grep -q '^cpu_bf16_native: false ' "$tmp/info" || fail "DTRAIN_HIDE_NATIVE_BF16=1 not applied: $(cat "$tmp/info")"
+expect_status 2 env DTRAIN_HIDE_NATIVE_BF16=yes "$run" --blas_info
+expect_stderr "DTRAIN_HIDE_NATIVE_BF16 must be 0 or 1, got 'yes'"
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed" >&2

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 
+#include "compat/warnings.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/single_device.h"
@@ -433,6 +434,48 @@ TEST(FsdpMixedPrecision, BufferDtypeCastsFloatingBuffersForTraining) {
                      modules[r]->scale.eq(0.5).all().item<bool>(),
                  "state_loaded() writes the loaded buffer back");
   });
+}
+
+// bf16 param_dtype on a CPU without native bf16: it trains, and rank 0 alone warns once,
+// through LibTorch's warning channel (c10's handler is per thread: each rank counts its own).
+TEST(FsdpMixedPrecision, EmulatedBf16WarnsOnceOnRankZero) {
+  const int world = 2;
+  CpuFeatures avx2;
+  avx2.arch = "x86_64";
+  avx2.sse3 = avx2.ssse3 = avx2.sse4_2 = avx2.avx = avx2.avx2 = avx2.fma = true;
+  CpuFeatures native = avx2;
+  native.amx_bf16 = true;
+  std::vector<ScaledMlp> modules;
+  for (int r = 0; r < 2 * world; ++r) {
+    torch::manual_seed(7);
+    modules.push_back(ScaledMlp());
+  }
+  std::vector<size_t> emulated(world), with_native(world);
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    auto count = [&](const CpuFeatures& cpu, ScaledMlp& m) {
+      compat::WarningCapture warnings;
+      FsdpOptions o;
+      o.mixed_precision.param_dtype = at::kBFloat16;
+      o.mixed_precision.cpu_check.cpu = cpu;
+      FullyShardedDataParallel fsdp(m.ptr(),
+                                    std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+      at::Tensor loss = fsdp.forward(
+          [&] { return m->forward(at::ones({2, 6}, at::kBFloat16)).to(at::kFloat).sum(); });
+      fsdp.backward(loss);
+      size_t n = 0;
+      for (const auto& msg : warnings.messages()) {
+        n += msg.find("dtrain FullyShardedDataParallel: bf16 is emulated") != std::string::npos;
+      }
+      return n;
+    };
+    emulated[r] = count(avx2, modules[r]);
+    with_native[r] = count(native, modules[world + r]);
+  });
+  EXPECT_EQ(emulated[0], 1u);
+  EXPECT_EQ(emulated[1], 0u);
+  EXPECT_EQ(with_native[0], 0u);
+  EXPECT_EQ(with_native[1], 0u);
 }
 
 TEST(FsdpMemory, ModelStateIsAboutOneNthOfDataParallel) {

@@ -298,6 +298,74 @@ TEST_F(TrainerTest, FsdpBf16MixedPrecisionStaysClose) {
 
 using dtrain::testing::ScopedEnv;
 
+// ---- bf16 on a CPU without native bf16 ----
+
+size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// The CPU is made to look like one without native bf16 by the test hook
+// DTRAIN_HIDE_NATIVE_BF16=1 (dtrain/blas.h). A 2-rank job prints one warning in all (not one
+// per rank, nor a second from the library's own check), trains anyway, and the header and
+// the metrics say cpu_bf16_native false.
+TEST(TrainerBf16Cpu, EmulatedBf16WarnsOncePerJobAndStillTrains) {
+  ScopedEnv hide("DTRAIN_HIDE_NATIVE_BF16", "1");
+  for (const std::string strategy : {"fsdp", "ddp"}) {
+    const RunResult r = run_trainer(
+        "bf16_emulated_" + strategy,
+        with(common_args(), {"--strategy=" + strategy, "--nproc=2", "--batch=2",
+                             "--precision=bf16", "--steps=2"}));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "bf16 is emulated on this CPU"), 1u) << strategy << r.output;
+    EXPECT_NE(r.output.find("warning: --precision bf16: bf16 is emulated on this CPU"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("18.9 s/step"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("cpu_bf16_native false"), std::string::npos) << r.output;
+    ASSERT_EQ(r.step_lines.size(), 2u) << r.output;
+    EXPECT_NE(r.step_lines.front().find("\"cpu_bf16_native\": false"), std::string::npos)
+        << r.step_lines.front();
+  }
+  // fp32 on the same CPU: nothing to warn about.
+  const RunResult fp32 = run_trainer(
+      "fp32_emulated", with(common_args(), {"--strategy=single", "--batch=2", "--steps=1"}));
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.output;
+  EXPECT_EQ(fp32.output.find("bf16 is emulated on this CPU"), std::string::npos) << fp32.output;
+  EXPECT_NE(fp32.output.find("cpu_bf16_native false"), std::string::npos) << fp32.output;
+}
+
+// Without the hook the header and the metrics report what the CPU probe finds.
+TEST(TrainerBf16Cpu, HeaderAndMetricsReportTheProbe) {
+  ScopedEnv hide("DTRAIN_HIDE_NATIVE_BF16", std::nullopt);
+  const bool native = dtrain::CpuFeatures::detect().native_bf16();
+  const RunResult r = run_trainer(
+      "bf16_probe", with(common_args(), {"--strategy=single", "--batch=2", "--steps=1",
+                                         "--precision=bf16"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(native ? "cpu_bf16_native true (" : "cpu_bf16_native false"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "bf16 is emulated on this CPU"), native ? 0u : 1u) << r.output;
+  ASSERT_FALSE(r.step_lines.empty());
+  EXPECT_NE(r.step_lines.front().find(native ? "\"cpu_bf16_native\": true"
+                                             : "\"cpu_bf16_native\": false"),
+            std::string::npos)
+      << r.step_lines.front();
+}
+
+// A bad hook value is refused with the variable named, not ignored.
+TEST(TrainerBf16Cpu, BadHookValueIsAnError) {
+  ScopedEnv hide("DTRAIN_HIDE_NATIVE_BF16", "true");
+  const RunResult r = run_trainer(
+      "bf16_bad_hook", with(common_args(), {"--strategy=single", "--batch=2", "--steps=1"}));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("DTRAIN_HIDE_NATIVE_BF16 must be 0 or 1, got 'true'"),
+            std::string::npos)
+      << r.output;
+}
+
 std::string blas_kernel_of(const std::string& step_line) {
   std::smatch m;
   return std::regex_search(step_line, m, std::regex(R"re("blas_kernel": "([^"]*)")re")) ? m[1].str()
