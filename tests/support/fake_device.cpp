@@ -39,9 +39,24 @@ void* to_fake(void* real) {
 // through data() faults.
 void free_real(void* real) { c10::GetCPUAllocator()->raw_deleter()(real); }
 
+// The device index a thread is on, as CUDA's current device: what a device guard sets, where
+// tensors made without an index go, and what the autograd engine's device threads set.
+thread_local c10::DeviceIndex current_index = 0;
+
+c10::DeviceIndex checked_index(c10::Device d) {
+  TORCH_CHECK(d.type() == kFake, "not the fake test device: ", d);
+  if (!d.has_index()) return current_index;
+  TORCH_CHECK(d.index() >= 0 && d.index() < kFakeDeviceCount,
+              "the fake test device has indices 0 to ", kFakeDeviceCount - 1, "; got ", d);
+  return d.index();
+}
+
+// One allocator per index, so a storage's allocator (which FSDP's refill uses) allocates on
+// that storage's device; index -1 is the registered one, allocating on the current device.
 struct FakeAllocator final : c10::Allocator {
+  explicit FakeAllocator(c10::DeviceIndex index = -1) : index_(index) {}
   at::DataPtr make(size_t nbytes) const {
-    const c10::Device device(kFake, 0);
+    const c10::Device device(kFake, index_ >= 0 ? index_ : current_index);
     if (nbytes == 0) return at::DataPtr(nullptr, device);
     at::DataPtr real = c10::GetCPUAllocator()->allocate(nbytes);
     // The CPU allocator's pointer is its own context and its deleter is raw_deleter(): take it.
@@ -57,22 +72,41 @@ struct FakeAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const {
     if (count != 0) std::memcpy(host_address(dest), host_address(src), count);
   }
+
+ private:
+  c10::DeviceIndex index_;
 };
 
-FakeAllocator fake_allocator;
+FakeAllocator current_device_allocator;
 
-c10::Allocator* allocator() { return &fake_allocator; }
+c10::Allocator* allocator(c10::DeviceIndex index) {
+  static FakeAllocator* const per_index = [] {
+    auto* all = new FakeAllocator[kFakeDeviceCount];  // never freed: storages outlive main()
+    for (c10::DeviceIndex i = 0; i < kFakeDeviceCount; ++i) all[i] = FakeAllocator(i);
+    return all;
+  }();
+  TORCH_INTERNAL_ASSERT(index >= 0 && index < kFakeDeviceCount);
+  return &per_index[index];
+}
 
-// One device, one default stream; work is synchronous, so events complete at once.
+c10::Allocator* allocator_for(c10::optional<c10::Device> device) {
+  return allocator(device.has_value() ? checked_index(*device) : current_index);
+}
+
+// kFakeDeviceCount devices, each with one default stream; work is synchronous, so events
+// complete at once.
 struct FakeGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kFake; }
   c10::Device exchangeDevice(c10::Device d) const override {
-    check(d);
-    return d;
+    const c10::Device old = getDevice();
+    current_index = checked_index(d);
+    return old;
   }
-  c10::Device getDevice() const override { return c10::Device(kFake, 0); }
-  void setDevice(c10::Device d) const override { check(d); }
-  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Device getDevice() const override { return c10::Device(kFake, current_index); }
+  void setDevice(c10::Device d) const override { current_index = checked_index(d); }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.has_index() && d.index() >= 0 && d.index() < kFakeDeviceCount) current_index = d.index();
+  }
   c10::Stream getStream(c10::Device d) const noexcept override {
     return c10::Stream(c10::Stream::DEFAULT, d);
   }
@@ -91,43 +125,28 @@ struct FakeGuardImpl final : c10::impl::DeviceGuardImplInterface {
   }
   void block(void*, const c10::Stream&) const override {}
   bool queryEvent(void*) const override { return true; }
-  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  c10::DeviceIndex deviceCount() const noexcept override { return kFakeDeviceCount; }
   bool queryStream(const c10::Stream&) const override { return true; }
   void synchronizeStream(const c10::Stream&) const override {}
-
- private:
-  static void check(c10::Device d) {
-    TORCH_CHECK(d.type() == kFake && (!d.has_index() || d.index() == 0),
-                "the fake test device has one index, 0; got ", d);
-  }
 };
-
-void check_fake_device(c10::optional<c10::Device> device) {
-  if (device.has_value()) {
-    TORCH_CHECK(device->type() == kFake && (!device->has_index() || device->index() == 0),
-                "the fake test device has one index, 0; got ", *device);
-  }
-}
 
 constexpr c10::DispatchKeySet kFakeKeys{c10::DispatchKey::PrivateUse1};
 
 at::Tensor empty_memory_format(at::IntArrayRef size, c10::optional<at::ScalarType> dtype,
                                c10::optional<at::Layout> layout, c10::optional<c10::Device> device,
                                c10::optional<bool>, c10::optional<at::MemoryFormat> memory_format) {
-  check_fake_device(device);
   TORCH_CHECK(!layout.has_value() || *layout == at::kStrided,
               "the fake test device has strided tensors only");
-  return at::detail::empty_generic(size, allocator(), kFakeKeys, c10::dtype_or_default(dtype),
-                                   memory_format);
+  return at::detail::empty_generic(size, allocator_for(device), kFakeKeys,
+                                   c10::dtype_or_default(dtype), memory_format);
 }
 
 at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride,
                          c10::optional<at::ScalarType> dtype, c10::optional<at::Layout> layout,
                          c10::optional<c10::Device> device, c10::optional<bool>) {
-  check_fake_device(device);
   TORCH_CHECK(!layout.has_value() || *layout == at::kStrided,
               "the fake test device has strided tensors only");
-  return at::detail::empty_strided_generic(size, stride, allocator(), kFakeKeys,
+  return at::detail::empty_strided_generic(size, stride, allocator_for(device), kFakeKeys,
                                            c10::dtype_or_default(dtype));
 }
 
@@ -156,7 +175,7 @@ void grow_storage(const at::Tensor& self, size_t nbytes) {
   c10::StorageImpl* storage = self.storage().unsafeGetStorageImpl();
   if (nbytes <= storage->nbytes()) return;
   TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
-  at::DataPtr grown = allocator()->allocate(nbytes);
+  at::DataPtr grown = allocator(self.device().index())->allocate(nbytes);
   if (storage->nbytes() != 0) {
     std::memcpy(host_address(grown.get()), host_address(storage->data_ptr().get()),
                 storage->nbytes());
@@ -220,7 +239,8 @@ at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
 }
 
 at::Tensor& set_empty(at::Tensor& self) {
-  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, allocator(), /*resizable=*/true);
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, allocator(self.device().index()),
+                     /*resizable=*/true);
   return set_storage_offset(self, std::move(empty), 0, {0}, {});
 }
 
@@ -248,29 +268,30 @@ bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& 
   return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
 }
 
-bool holds_fake(const c10::IValue& v) {
-  if (v.isTensor()) return is_fake(v.toTensor());
+// The device of the first fake tensor in `v`, if any.
+c10::optional<c10::Device> fake_device_of(const c10::IValue& v) {
+  if (v.isTensor() && is_fake(v.toTensor())) return v.toTensor().device();
   if (v.isTensorList()) {
     for (const at::Tensor& t : v.toTensorVector()) {
-      if (is_fake(t)) return true;
+      if (is_fake(t)) return t.device();
     }
   }
   if (v.isOptionalTensorList()) {
     for (const auto& t : v.toOptionalTensorVector()) {
-      if (t.has_value() && is_fake(*t)) return true;
+      if (t.has_value() && is_fake(*t)) return t->device();
     }
   }
-  return false;
+  return c10::nullopt;
 }
 
-c10::IValue to_fake_device(const c10::IValue& v) {
+c10::IValue to_device(const c10::IValue& v, c10::Device device) {
   if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) {
-    return v.toTensor().to(fake_device());
+    return v.toTensor().to(device);
   }
   if (v.isTensorList()) {
     std::vector<at::Tensor> moved = v.toTensorVector();
     for (at::Tensor& t : moved) {
-      if (t.defined() && t.device().is_cpu()) t = t.to(fake_device());
+      if (t.defined() && t.device().is_cpu()) t = t.to(device);
     }
     return c10::IValue(c10::List<at::Tensor>(std::move(moved)));
   }
@@ -283,23 +304,28 @@ c10::IValue to_fake_device(const c10::IValue& v) {
 // whose fake inputs all come in a list (cat, stack) would return CPU tensors: those are moved.
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
-  bool fake_in = false, tensor_in = false;
+  c10::optional<c10::Device> fake_in;
+  bool tensor_in = false;
   for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
     const c10::IValue& v = (*stack)[i];
-    fake_in = fake_in || holds_fake(v);
+    if (!fake_in.has_value()) fake_in = fake_device_of(v);
     tensor_in = tensor_in || (v.isTensor() && v.toTensor().defined());
   }
   at::native::cpu_fallback(op, stack);
-  if (!fake_in || tensor_in) return;
+  if (!fake_in.has_value() || tensor_in) return;
   const size_t num_returns = op.schema().returns().size();
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
-    (*stack)[i] = to_fake_device((*stack)[i]);
+    (*stack)[i] = to_device((*stack)[i], *fake_in);
   }
 }
 
 }  // namespace
 
-c10::Device fake_device() { return c10::Device(kFake, 0); }
+c10::Device fake_device(c10::DeviceIndex index) {
+  TORCH_CHECK(index >= 0 && index < kFakeDeviceCount, "the fake test device has indices 0 to ",
+              kFakeDeviceCount - 1, "; got ", int(index));
+  return c10::Device(kFake, index);
+}
 
 bool is_fake(const at::Tensor& t) { return t.defined() && t.device().type() == kFake; }
 
@@ -329,7 +355,7 @@ at::Tensor host_view(const at::Tensor& t) {
 
 void ensure_fake_device_registered() {
   // Registration is static (below); this checks that it happened in this process.
-  TORCH_CHECK(c10::GetAllocator(kFake) == allocator(),
+  TORCH_CHECK(c10::GetAllocator(kFake) == &current_device_allocator,
               "another allocator is registered for PrivateUse1: two fake backends in one process");
 }
 
@@ -339,7 +365,7 @@ void ensure_fake_device_registered() {
 namespace {
 using namespace dtrain::testing;
 
-REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &fake_allocator);
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &current_device_allocator);
 C10_REGISTER_GUARD_IMPL(PrivateUse1, FakeGuardImpl);
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {

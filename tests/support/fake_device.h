@@ -18,6 +18,14 @@
 // the bytes in place (e.g. to reduce without a copy), host_view() gives a CPU tensor aliasing them.
 // Streams and events are no-ops (there is one default stream; events complete at once).
 //
+// Ranks as threads: give rank r the device fake_device(r), as each rank of a real job has its own
+// GPU. LibTorch's autograd engine runs the backward work of each device on one thread per device
+// index; ranks sharing one index share that thread, and a rank whose backward hook waits for a
+// collective (FSDP's unshard, DDP's final wait) then blocks the other ranks' backward behind it:
+// a deadlock the test would report as a timeout, not a bug of the strategy. A tensor made
+// without an index (at::device(at::kPrivateUse1)) goes to the thread's current fake device, which
+// c10::DeviceGuard sets, as with CUDA.
+//
 // Registration is global in LibTorch by nature (kernels on the PrivateUse1 dispatch key, the
 // device's allocator and device guard are process-wide tables): it runs once, from static
 // initialisers in fake_device.cpp, when the test binary loads. Calling fake_device() or
@@ -51,8 +59,11 @@ namespace dtrain::testing {
 // not in the top byte that top-byte-ignore would mask).
 inline constexpr std::uintptr_t kFakeAddressOffset = std::uintptr_t{1} << 55;
 
-// The fake device, privateuseone:0. The only index there is.
-c10::Device fake_device();
+// Fake devices privateuseone:0 to :kFakeDeviceCount-1, like the GPUs of one machine.
+inline constexpr c10::DeviceIndex kFakeDeviceCount = 8;
+
+// The fake device `index` (privateuseone:<index>); index outside [0, kFakeDeviceCount) throws.
+c10::Device fake_device(c10::DeviceIndex index = 0);
 
 // Whether `t` lives on the fake device.
 bool is_fake(const at::Tensor& t);

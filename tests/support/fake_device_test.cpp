@@ -4,6 +4,7 @@
 #include "support/fake_device.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
@@ -12,12 +13,16 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "compat/torch_compat.h"
@@ -81,8 +86,64 @@ TEST(FakeDevice, DeviceIdentity) {
   EXPECT_FALSE(is_fake(t.to(at::kCPU)));
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data_ptr()) & kFakeAddressOffset,
             kFakeAddressOffset);
-  EXPECT_THROW(at::zeros({3}, at::device(c10::Device(c10::DeviceType::PrivateUse1, 1))),
-               c10::Error);
+  EXPECT_THROW(
+      at::zeros({3}, at::device(c10::Device(c10::DeviceType::PrivateUse1, kFakeDeviceCount))),
+      c10::Error);
+  EXPECT_THROW(fake_device(-1), c10::Error);
+}
+
+TEST(FakeDevice, SeveralDevices) {
+  const at::Tensor cpu = at::arange(10, at::kFloat);
+  const at::Tensor on1 = cpu.to(fake_device(1));
+  EXPECT_EQ(on1.device(), fake_device(1));
+  EXPECT_EQ(on1.storage().device(), fake_device(1));
+  const at::Tensor on2 = on1.to(fake_device(2));
+  EXPECT_EQ(on2.device(), fake_device(2));
+  expect_same(on2, cpu, "device 1 to device 2");
+  expect_same(on2 * 2 + on2.sum(), cpu * 2 + cpu.sum(), "ops keep the device");
+  EXPECT_EQ((on2 * 2 + on2.sum()).device(), fake_device(2));
+  EXPECT_EQ(at::cat({on2, on2}).device(), fake_device(2));
+  EXPECT_EQ(compat::storage_allocator(on2).allocate(8).device(), fake_device(2));
+  {
+    c10::DeviceGuard guard(fake_device(3));
+    const at::Tensor current = at::ones({2}, at::device(c10::DeviceType::PrivateUse1));
+    EXPECT_EQ(current.device(), fake_device(3));
+  }
+  EXPECT_EQ(at::ones({2}, at::device(c10::DeviceType::PrivateUse1)).device(), fake_device(0));
+}
+
+// Ranks as threads, each on its own fake device, whose gradient hooks wait for each other (as
+// a collective in a backward hook does): no rank's backward may wait behind another's.
+TEST(FakeDevice, RanksOnSeparateDevicesRunBackwardConcurrently) {
+  constexpr int kRanks = 4;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  std::vector<std::string> errors(kRanks);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        const at::Tensor w = at::ones({4}, at::device(fake_device(rank))).requires_grad_();
+        auto accumulator = compat::grad_accumulator(w);
+        bool all_arrived = false;
+        compat::add_post_hook(accumulator, [&] {
+          std::unique_lock<std::mutex> lock(mu);
+          ++arrived;
+          cv.notify_all();
+          all_arrived =
+              cv.wait_for(lock, std::chrono::seconds(20), [&] { return arrived == kRanks; });
+        });
+        (w * w).sum().backward();
+        if (!all_arrived) errors[rank] = "the hooks did not run concurrently";
+        if (!at::equal(w.grad().to(at::kCPU), at::full({4}, 2.0f))) errors[rank] = "wrong gradient";
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < kRanks; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
 
 TEST(FakeDevice, RoundTripsAreExact) {
