@@ -298,24 +298,60 @@ c10::IValue to_device(const c10::IValue& v, c10::Device device) {
   return v;
 }
 
+// As a CUDA kernel would: all of an operator's tensors on one device, except CPU scalars.
+void check_same_device(const c10::OperatorHandle& op, const at::Tensor& t, c10::Device device) {
+  if (!t.defined() || t.device() == device || (t.device().is_cpu() && t.dim() == 0)) return;
+  TORCH_CHECK(false,
+              "Expected all tensors to be on the same device, but found at least two "
+              "devices, ",
+              device, " and ", t.device(), "! (", op.schema().name(), " on the fake test device)");
+}
+
 // Everything not above: LibTorch's CPU kernel on CPU copies of the arguments, results and
-// mutated arguments copied back (through copy_ / _copy_from_and_resize above). LibTorch 1.13's
-// cpu_fallback takes the results' device from the first Tensor argument only, so an operator
-// whose fake inputs all come in a list (cat, stack) would return CPU tensors: those are moved.
+// mutated arguments copied back (through copy_ / _copy_from_and_resize above). Around
+// at::native::cpu_fallback: tensors on other devices are refused as CUDA refuses them (a CPU
+// tensor mixed with device tensors must fail here as it would on a GPU); and results go to the
+// operator's fake device, which LibTorch 1.13's cpu_fallback takes from the first Tensor argument
+// only (cat's inputs are a list; a CPU scalar may come first) and not from a Device argument.
+// Indices (lists of optional tensors) may be on the CPU, as with CUDA.
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t num_args = op.schema().arguments().size();
-  c10::optional<c10::Device> fake_in;
-  bool tensor_in = false;
-  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
-    const c10::IValue& v = (*stack)[i];
-    if (!fake_in.has_value()) fake_in = fake_device_of(v);
-    tensor_in = tensor_in || (v.isTensor() && v.toTensor().defined());
+  const size_t first = stack->size() - num_args;
+  c10::optional<c10::Device> device;
+  for (size_t i = first; i < stack->size() && !device.has_value(); ++i) {
+    device = fake_device_of((*stack)[i]);
+  }
+  for (size_t i = first; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isDevice() && v.toDevice().type() == kFake) {
+      if (!device.has_value()) device = v.toDevice();
+      v = c10::IValue(c10::Device(c10::DeviceType::CPU));
+    }
+    // Lists of optional tensors (index's indices, never written) are not moved by 1.13's
+    // cpu_fallback.
+    if (v.isOptionalTensorList()) {
+      c10::List<c10::optional<at::Tensor>> on_cpu;
+      for (const auto& t : v.toOptionalTensorVector()) {
+        on_cpu.push_back(t.has_value() && is_fake(*t) ? c10::optional<at::Tensor>(t->to(at::kCPU))
+                                                      : t);
+      }
+      v = c10::IValue(std::move(on_cpu));
+    }
+  }
+  if (device.has_value()) {
+    for (size_t i = first; i < stack->size(); ++i) {
+      const c10::IValue& v = (*stack)[i];
+      if (v.isTensor()) check_same_device(op, v.toTensor(), *device);
+      if (v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorVector()) check_same_device(op, t, *device);
+      }
+    }
   }
   at::native::cpu_fallback(op, stack);
-  if (!fake_in.has_value() || tensor_in) return;
+  if (!device.has_value()) return;
   const size_t num_returns = op.schema().returns().size();
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
-    (*stack)[i] = to_device((*stack)[i], *fake_in);
+    (*stack)[i] = to_device((*stack)[i], *device);
   }
 }
 

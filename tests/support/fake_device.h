@@ -16,7 +16,10 @@
 // communicator for contract tests checks `t.device() == fake_device()` for every tensor it is
 // handed and moves data only with ATen copies (`t.to(at::kCPU)`, `dst.copy_(src)`); if it must see
 // the bytes in place (e.g. to reduce without a copy), host_view() gives a CPU tensor aliasing them.
-// Streams and events are no-ops (there is one default stream; events complete at once).
+// Streams and events are no-ops (there is one default stream; events complete at once). As on
+// CUDA, an operator refuses tensors on different devices (a CPU tensor next to fake ones, or two
+// fake indices), except CPU 0-dim scalars and CPU indices: code that combines a host tensor with
+// device tensors fails here as it would on a GPU.
 //
 // Ranks as threads: give rank r the device fake_device(r), as each rank of a real job has its own
 // GPU. LibTorch's autograd engine runs the backward work of each device on one thread per device

@@ -112,6 +112,25 @@ TEST(FakeDevice, SeveralDevices) {
   EXPECT_EQ(at::ones({2}, at::device(c10::DeviceType::PrivateUse1)).device(), fake_device(0));
 }
 
+// Tensors of one operator on different devices fail as they do on CUDA (a CPU tensor handed to
+// code that runs on the device is the bug class these tests look for), CPU scalars and CPU
+// indices excepted; a Device argument places the result.
+TEST(FakeDevice, MixingDevicesFailsAsOnCuda) {
+  const at::Tensor f = at::arange(6, at::kFloat).to(fake_device(1));
+  EXPECT_THROW(f + at::ones({6}), c10::Error);
+  EXPECT_THROW(at::cat({f, at::ones({6})}), c10::Error);
+  EXPECT_THROW(f + f.to(fake_device(2)), c10::Error);
+  EXPECT_EQ((at::scalar_tensor(2.0) * f).device(), fake_device(1));
+  expect_same(at::scalar_tensor(2.0) * f, at::arange(6, at::kFloat) * 2, "CPU scalar first");
+  const at::Tensor picked = f.index({at::tensor({0, 2}, at::kLong).to(fake_device(1))});
+  expect_same(picked, at::tensor({0.0f, 2.0f}), "index with fake indices");
+  expect_same(f.index({at::tensor({1, 5}, at::kLong)}), at::tensor({1.0f, 5.0f}),
+              "index with CPU indices");
+  const at::Tensor tri = at::tril_indices(3, 3, 0, at::device(fake_device(1)).dtype(at::kLong));
+  expect_same(tri, at::tril_indices(3, 3, 0, at::kLong), "tril_indices");
+  EXPECT_EQ(tri.device(), fake_device(1));
+}
+
 // Ranks as threads, each on its own fake device, whose gradient hooks wait for each other (as
 // a collective in a backward hook does): no rank's backward may wait behind another's.
 TEST(FakeDevice, RanksOnSeparateDevicesRunBackwardConcurrently) {
