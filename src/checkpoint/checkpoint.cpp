@@ -44,7 +44,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Kind = StateSlice::Kind;
 
-constexpr uint32_t kTag = 0x636b7074;  // point-to-point tag of the full form's gather
+// Point-to-point tag of the full form's gather: 0, because NCCL has no tags and refuses any
+// other (docs/nccl.md); the gather's sends and receives match in issue order, and nothing
+// else sends between steps.
+constexpr uint32_t kTag = 0;
 constexpr const char* kExtraFile = "extra.safetensors";
 constexpr const char* kFullFile = "model.safetensors";
 
