@@ -132,8 +132,8 @@ std::optional<RngStates> read_rng_entries(SafetensorsReader& extra, int rank) {
   const at::Tensor count = extra.read(count_key);
   if (count.scalar_type() != at::kLong || count.numel() != 1 || count.item<int64_t>() < 0 ||
       count.item<int64_t>() > 4096) {
-    throw CheckpointError(fmt::format("{}: {} must be one int64 in [0, 4096]", extra.path(),
-                                      count_key));
+    throw CheckpointError(
+        fmt::format("{}: {} must be one int64 in [0, 4096]", extra.path(), count_key));
   }
   for (int64_t d = 0; d < count.item<int64_t>(); ++d) {
     const std::string key = fmt::format("rng/cuda/{}/{}", rank, d);

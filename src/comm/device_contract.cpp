@@ -31,8 +31,9 @@ int listed_devices(const std::string& list) {
 }
 
 std::string visible_note(const LaunchInfo& info) {
-  return info.cuda_visible_devices ? fmt::format("CUDA_VISIBLE_DEVICES='{}'", *info.cuda_visible_devices)
-                                   : std::string("CUDA_VISIBLE_DEVICES unset");
+  return info.cuda_visible_devices
+             ? fmt::format("CUDA_VISIBLE_DEVICES='{}'", *info.cuda_visible_devices)
+             : std::string("CUDA_VISIBLE_DEVICES unset");
 }
 
 }  // namespace

@@ -11,9 +11,9 @@ namespace dtrain::detail {
 
 // What one rank says about the GPU it uses.
 struct GpuClaim {
-  std::string uuid;   // the GPU's UUID: equal UUIDs are the same physical device
-  std::string host;   // for the message only
-  int device = -1;    // the CUDA device index in that rank's process
+  std::string uuid;      // the GPU's UUID: equal UUIDs are the same physical device
+  std::string host;      // for the message only
+  int device = -1;       // the CUDA device index in that rank's process
   int device_count = 0;  // devices that process sees
 };
 

@@ -62,14 +62,13 @@ void HeaderExchange::run(const CallHeader& mine, std::chrono::milliseconds timeo
   std::memcpy(host + static_cast<size_t>(rank_) * one, &mine, one);
   use_device(device_, ctx);
   cudaStream_t s = stream_.get();
-  check_cuda(cudaMemcpyAsync(dev + static_cast<size_t>(rank_) * one,
-                             host + static_cast<size_t>(rank_) * one, one, cudaMemcpyHostToDevice,
-                             s),
-             ctx, "cudaMemcpyAsync (header)");
-  ncclResult_t status = settle(comm_,
-                               ncclAllGather(dev + static_cast<size_t>(rank_) * one, dev, one,
-                                             ncclUint8, comm_, s),
-                               deadline);
+  check_cuda(
+      cudaMemcpyAsync(dev + static_cast<size_t>(rank_) * one,
+                      host + static_cast<size_t>(rank_) * one, one, cudaMemcpyHostToDevice, s),
+      ctx, "cudaMemcpyAsync (header)");
+  ncclResult_t status = settle(
+      comm_, ncclAllGather(dev + static_cast<size_t>(rank_) * one, dev, one, ncclUint8, comm_, s),
+      deadline);
   bool timed_out = status == ncclInProgress;
   if (!timed_out) {
     check_nccl(status, ctx, "ncclAllGather (headers)", comm_);

@@ -46,9 +46,9 @@ class HeaderExchange {
   const int device_;
   Stream stream_;
   Event done_;
-  DeviceMemory device_headers_;                      // world_size headers
+  DeviceMemory device_headers_;                        // world_size headers
   std::unique_ptr<void, PinnedDeleter> host_headers_;  // pinned, world_size headers
-  ncclComm_t comm_ = nullptr;                        // null once aborted
+  ncclComm_t comm_ = nullptr;                          // null once aborted
 };
 
 }  // namespace dtrain::nccl_backend
