@@ -32,7 +32,9 @@ ABSL_FLAG(int, nproc, 1,
           "RANK is already set (started by dtrain-run, torchrun or a cluster launcher: the "
           "process is then that rank).");
 ABSL_FLAG(std::string, device, "cpu",
-          "cpu | cuda. cuda: rank r uses GPU LOCAL_RANK and the NCCL backend (when built).");
+          "cpu | cuda. cuda: the NCCL backend (when built); a rank uses GPU LOCAL_RANK, or 0 "
+          "when CUDA_VISIBLE_DEVICES shows it one GPU (docs/nccl.md, the device contract); "
+          "more ranks per host than GPUs is refused.");
 ABSL_FLAG(int, threads, 0,
           "Intra-op threads per rank; 0: max(1, cores / LOCAL_WORLD_SIZE) so that the ranks "
           "of one machine share its cores.");

@@ -14,6 +14,17 @@ double StepRecord::model_state_mib() const { return max_of(model_state_mib_per_r
 double EpochRecord::peak_rss_mib() const { return max_of(peak_rss_mib_per_rank); }
 double EpochRecord::model_state_mib() const { return max_of(model_state_mib_per_rank); }
 
+std::optional<double> max_if_any(const std::vector<double>& values) {
+  if (values.empty()) return std::nullopt;
+  return max_of(values);
+}
+std::optional<double> StepRecord::cuda_peak_mib() const {
+  return max_if_any(cuda_peak_mib_per_rank);
+}
+std::optional<double> EpochRecord::cuda_peak_mib() const {
+  return max_if_any(cuda_peak_mib_per_rank);
+}
+
 void EpochTotals::add(const StepRecord& r) {
   loss_ += r.loss;
   grad_norm_ += r.grad_norm;
@@ -37,6 +48,7 @@ EpochRecord EpochTotals::record(int64_t epoch, int64_t epochs, double epoch_time
   e.tokens_per_s = static_cast<double>(tokens_) / std::max(epoch_time_s, 1e-9);
   e.peak_rss_mib_per_rank = last_.peak_rss_mib_per_rank;
   e.model_state_mib_per_rank = last_.model_state_mib_per_rank;
+  e.cuda_peak_mib_per_rank = last_.cuda_peak_mib_per_rank;
   return e;
 }
 

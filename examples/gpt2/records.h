@@ -22,6 +22,8 @@ struct StepRecord {
   int64_t num_collectives = 0;
   // One entry per rank, exchanged in the step's all-gather.
   std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;
+  // The CUDA caching allocator's peak per rank on --device cuda (cuda_memory.h); empty else.
+  std::vector<double> cuda_peak_mib_per_rank;
   int stop_signal = 0;             // a SIGTERM/SIGINT some rank received (0: none)
   std::optional<double> val_loss;  // a mid-epoch validation after this step (--val_every)
   // With a loss scale (--loss_scale): the scale this step's loss was multiplied by, and
@@ -32,6 +34,7 @@ struct StepRecord {
   double tokens_per_s() const { return static_cast<double>(tokens) / step_time_s; }
   double peak_rss_mib() const;     // max over ranks
   double model_state_mib() const;  // max over ranks
+  std::optional<double> cuda_peak_mib() const;  // max over ranks; nullopt off CUDA
 };
 
 struct EpochRecord {
@@ -42,9 +45,11 @@ struct EpochRecord {
   double epoch_time_s = 0;       // training time, validations excluded
   double validation_time_s = 0;  // of the end-of-epoch validation
   std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;  // at its last step
+  std::vector<double> cuda_peak_mib_per_rank;                            // at its last step
 
   double peak_rss_mib() const;
   double model_state_mib() const;
+  std::optional<double> cuda_peak_mib() const;
 };
 
 // Sums of an epoch's step records.

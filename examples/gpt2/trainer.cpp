@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "cuda_memory.h"
 #include "metrics.h"
 #include "progress.h"
 #include "stop_signal.h"
@@ -217,13 +218,15 @@ at::Tensor Trainer::model_loss(const at::Tensor& x, const at::Tensor& y) {
   return task_->loss(x, y, c_.fused_loss());
 }
 
-// One all-gather of each rank's loss, peak RSS, model state and stop signal (every rank
-// then knows whether any rank was asked to stop).
+// One all-gather of each rank's loss, peak RSS, model state, stop signal (every rank then
+// knows whether any rank was asked to stop) and CUDA peak (-1: none).
 void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
   const double state_mib =
       static_cast<double>(strategy_->model_state_bytes(optimizer_state(*optimizer_))) / kMiB;
+  std::optional<double> cuda_peak;
+  if (device_.is_cuda()) cuda_peak = cuda_peak_mib(device_.index());
   const std::vector<double> mine = {local_loss, peak_rss_mib(), state_mib,
-                                    static_cast<double>(stop_signal())};
+                                    static_cast<double>(stop_signal()), cuda_peak.value_or(-1)};
   r.stop_signal = stop_signal();
   const int world = info_.world_size;
   std::vector<double> all = mine;
@@ -241,6 +244,7 @@ void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
     r.peak_rss_mib_per_rank.push_back(all[i + 1]);
     r.model_state_mib_per_rank.push_back(all[i + 2]);
     r.stop_signal = std::max(r.stop_signal, static_cast<int>(all[i + 3]));
+    if (all[i + 4] >= 0) r.cuda_peak_mib_per_rank.push_back(all[i + 4]);
   }
   r.loss = loss_sum / static_cast<double>(r.peak_rss_mib_per_rank.size());
 }

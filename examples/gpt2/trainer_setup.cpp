@@ -69,10 +69,12 @@ void Trainer::setup_device_and_comm() {
   options.timeout = std::chrono::seconds(c_.timeout_s);
   if (c_.device == DeviceKind::kCuda) {
     check(torch::cuda::is_available(), "--device cuda: LibTorch sees no CUDA device");
-    const auto n = static_cast<int>(torch::cuda::device_count());
-    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info_.local_rank % n));
     options.backend = dtrain::Backend::kNccl;
-    options.device_index = device_.index();
+    // The device contract (dtrain/rendezvous.h): LOCAL_RANK, or device 0 when
+    // CUDA_VISIBLE_DEVICES narrows this rank to one GPU; NCCL ranks sharing one is refused.
+    const int index = info_.cuda_device(dtrain::cuda_device_count(), options.backend);
+    device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+    options.device_index = index;
   }
   if (c_.strategy == StrategyKind::kSingle) {
     check(info_.world_size == 1,

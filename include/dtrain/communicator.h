@@ -9,8 +9,8 @@
 //    describing it (operation, dtype, element count, reduction, root; with
 //    Consistency::kFingerprint also the shape). Ranks that disagree all throw
 //    dtrain::DesyncError from Work::wait(), naming both sides, before any data moved: never
-//    an abort, a hang or wrong numbers. NCCL does not check yet: a mismatch there ends in
-//    its watchdog's timeout.
+//    an abort, a hang or wrong numbers. NCCL compares the same header (all-gathered on a
+//    second NCCL communicator, docs/nccl.md) from world size 2 on.
 //  * Thread safety: a communicator may be called from several threads. Taking the sequence
 //    number and queueing the call are one atomic step, so on every rank the numbering is
 //    the execution order. Which of two racing threads goes first is up to the scheduler,
@@ -106,7 +106,9 @@ struct CommunicatorOptions {
   // once. reduce_scatter reduces one segment while the next ones are in flight, so smaller
   // segments overlap more of the reduction with the transfer, at a per-message cost.
   size_t gloo_max_segment_bytes = 4u << 20;
-  // NCCL: the CUDA device this rank uses (LOCAL_RANK by convention). -1: current device.
+  // NCCL: the CUDA device this rank uses. -1: the current device, except through
+  // LaunchInfo::communicator_options / init_communicator, which apply the device contract
+  // (LaunchInfo::cuda_device: LOCAL_RANK, or 0 when CUDA_VISIBLE_DEVICES shows one device).
   int device_index = -1;
   // Key prefix in the store; two communicators on one store need different names.
   std::string name = "default";
@@ -149,7 +151,8 @@ class Communicator {
   virtual WorkPtr barrier(const CallOptions& options = {}) = 0;
 
   // Point to point. A send matches the recv of the peer with the same tag; messages
-  // between a pair with the same tag arrive in order. Ranks may issue different numbers
+  // between a pair with the same tag arrive in order. NCCL has no tags: its backend accepts
+  // only tag 0 (InvalidArgument otherwise) and matches a pair's calls in issue order. Ranks may issue different numbers
   // of these, so they are numbered apart from collectives (their Work's sequence number
   // counts point-to-point calls only) and never shift collectives' numbering.
   virtual WorkPtr send(at::Tensor tensor, int dst, uint32_t tag = 0,

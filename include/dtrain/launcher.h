@@ -62,7 +62,8 @@ void validate(const NodeOptions& options);
 // Runs this node's ranks and waits for them. Rank r (local rank l) gets this process's
 // environment plus `environment` and RANK=node_rank*nproc_per_node+l,
 // WORLD_SIZE=nnodes*nproc_per_node, LOCAL_RANK=l, LOCAL_WORLD_SIZE=nproc_per_node,
-// MASTER_ADDR and MASTER_PORT. Each rank leads its own process group and dies with the
+// MASTER_ADDR and MASTER_PORT (CUDA_VISIBLE_DEVICES is left as it is: a rank picks its GPU
+// by the device contract, LaunchInfo::cuda_device in dtrain/rendezvous.h). Each rank leads its own process group and dies with the
 // calling thread (PR_SET_PDEATHSIG is tied to the thread that forked): call it from the
 // thread that lives as long as the job, normally the main thread. When stdin is a terminal
 // the ranks read /dev/null instead (outside the terminal's foreground group, a read would

@@ -25,12 +25,14 @@
 // transport) where the program leaves it at kAuto.
 // DTRAIN_STORE_TOKEN (optional, at most 1024 bytes): a secret shared by the job's processes;
 // the store refuses a process that does not present it (TcpStoreOptions::token).
+// CUDA_VISIBLE_DEVICES is read for the device contract (LaunchInfo::cuda_device).
 // LaunchInfo::from_env() is the only place dtrain reads these variables.
 #pragma once
 
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "dtrain/communicator.h"
@@ -62,6 +64,9 @@ struct LaunchInfo {
   // DTRAIN_TRANSPORT: communicator_options sets CommunicatorOptions::transport to this where
   // the caller left it at kAuto.
   Transport transport = Transport::kAuto;
+  // CUDA_VISIBLE_DEVICES as this process got it; nullopt when unset. Only the number of
+  // devices it lists matters to dtrain (cuda_device).
+  std::optional<std::string> cuda_visible_devices;
 
   // Reads this process's environment by the rules above. Throws dtrain::InvalidArgument
   // naming the variable when one is malformed, missing from an otherwise present
@@ -73,11 +78,35 @@ struct LaunchInfo {
   // Throws dtrain::InvalidArgument when the fields are inconsistent.
   void validate() const;
 
+  // Whether CUDA_VISIBLE_DEVICES lists exactly one device: a launcher or scheduler gave this
+  // rank a GPU of its own (e.g. Slurm's --gpus-per-task with --gpu-bind), which the process
+  // then sees as device 0.
+  bool narrowed_to_one_gpu() const;
+
+  // The device contract: which CUDA device this rank uses, out of the `device_count` devices
+  // the process sees (cuda_device_count()). One rule for the trainer, init_communicator and
+  // every launcher (docs/nccl.md, "Which GPU a rank uses"):
+  //   - device 0 when CUDA_VISIBLE_DEVICES narrows the process to one device;
+  //   - else device LOCAL_RANK.
+  // NCCL cannot run two ranks on one GPU: for Backend::kNccl, a host with more ranks
+  // (LOCAL_WORLD_SIZE) than visible devices is refused on every rank, before NCCL is called,
+  // with an InvalidArgument naming both counts and what to change. Backend::kGloo stages CUDA
+  // tensors through host memory, so ranks may share a GPU: local rank r uses device
+  // r % device_count. Throws InvalidArgument when device_count < 1. Two ranks narrowed to the
+  // same physical GPU cannot be seen from one process: the NCCL backend compares the GPUs'
+  // UUIDs across ranks before creating its communicator (make_communicator).
+  int cuda_device(int device_count, Backend backend) const;
+
   // `options` with what this launch decides filled in where the caller left it unset: the
-  // listening interface (socket_interface) and, for NCCL, the device (local_rank); and the
-  // consistency level raised to `consistency`; the transport, if left at kAuto.
+  // listening interface (socket_interface) and, for NCCL, the device (cuda_device with
+  // cuda_device_count(); throws its InvalidArgument); and the consistency level raised to
+  // `consistency`; the transport, if left at kAuto.
   CommunicatorOptions communicator_options(CommunicatorOptions options = {}) const;
 };
+
+// The number of CUDA devices this process sees through LibTorch: 0 without a GPU or with a
+// LibTorch built without CUDA.
+int cuda_device_count();
 
 // Connects to (on rank 0: serves) the TCP store at master_addr:master_port, then checks
 // that the job is launched consistently: every rank of [0, world_size) is claimed by

@@ -4,13 +4,13 @@
 //
 // Keys of the pieces: "model/<name>" for parameters and buffers, "optim/<name>/<kind>" for
 // the optimizer state of a parameter (kind: exp_avg, exp_avg_sq, max_exp_avg_sq,
-// momentum_buffer), "training/<name>" and "rng/cpu/<rank>" in extra.safetensors. A piece
+// momentum_buffer), "training/<name>" and the generators ("rng/...", rng_states.h) in
+// extra.safetensors. A piece
 // [begin, end) holds those flattened elements of its tensor; the full form writes each
 // tensor whole, in its own shape, as one piece [0, numel).
 #include "dtrain/checkpoint.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -25,11 +25,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "checkpoint/directory.h"
 #include "checkpoint/json.h"
+#include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
 #include "compat/torch_compat.h"
 #include "dtrain/errors.h"
@@ -42,7 +44,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Kind = StateSlice::Kind;
 
-constexpr uint32_t kTag = 0x636b7074;  // point-to-point tag of the full form's gather
+// Point-to-point tag of the full form's gather: 0, because NCCL has no tags and refuses any
+// other (docs/nccl.md); the gather's sends and receives match in issue order, and nothing
+// else sends between steps.
+constexpr uint32_t kTag = 0;
 constexpr const char* kExtraFile = "extra.safetensors";
 constexpr const char* kFullFile = "model.safetensors";
 
@@ -243,12 +248,6 @@ std::string optim_key(const std::string& name, const std::string& kind) {
 std::string rank_file(int rank) { return fmt::format("rank{:05d}.safetensors", rank); }
 std::string sidecar_file(int rank) { return fmt::format("rank{:05d}.json", rank); }
 
-at::Tensor cpu_rng_state() {
-  auto gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
 }  // namespace
 
 std::string latest_checkpoint(const std::string& dir) { return ck::latest_complete(dir); }
@@ -310,13 +309,9 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
     }
   }
 
-  // Every rank's random generator, to rank 0.
-  at::Tensor rng = cpu_rng_state();
-  at::Tensor all_rng = rng;
-  if (ranks.many()) {
-    all_rng = at::empty({ranks.world * rng.numel()}, rng.options());
-    ranks.comm->all_gather(all_rng, rng)->wait();
-  }
+  // Every rank's random generators (CPU and CUDA), to rank 0.
+  const std::vector<ck::RngStates> all_rng = ck::gather_rng_states(
+      ranks.many() ? ranks.comm : nullptr, ck::capture(ck::Generators::process_defaults()));
 
   const std::string tmp = ck::temp_path(dir, state.step);
   CheckpointStats stats;
@@ -441,8 +436,7 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
       std::vector<std::pair<std::string, at::Tensor>> extra;
       for (const auto& [name, t] : state.tensors) extra.emplace_back("training/" + name, t);
       for (int r = 0; r < ranks.world; ++r) {
-        extra.emplace_back(fmt::format("rng/cpu/{}", r),
-                           all_rng.narrow(0, r * rng.numel(), rng.numel()));
+        ck::append_rng_entries(r, all_rng[static_cast<size_t>(r)], extra);
       }
       const ck::FileDigest d = ck::write_safetensors((fs::path(tmp) / kExtraFile).string(), extra);
       stats.bytes += static_cast<int64_t>(d.size);
@@ -618,7 +612,7 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
   std::vector<std::vector<at::Tensor>> opt_state(T);
   std::vector<int64_t> steps(T, -1);
   std::vector<double> lrs;
-  at::Tensor rng;
+  std::optional<ck::RngStates> rng;
   int64_t bytes = 0;
   ranks.agreed("load_checkpoint", [&] {
     CheckpointReader reader(path);
@@ -703,10 +697,8 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
           result.tensors[t.name.substr(9)] = extra.read(t.name);
         }
       }
-      const std::string mine = fmt::format("rng/cpu/{}", ranks.rank);
-      if (options.restore_rng && m.at("world_size").as_int() == ranks.world &&
-          extra.find(mine) != nullptr) {
-        rng = extra.read(mine);
+      if (options.restore_rng && m.at("world_size").as_int() == ranks.world) {
+        rng = ck::read_rng_entries(extra, ranks.rank);
       }
     } catch (const ck::JsonError& e) {
       reader.fail(fmt::format("unreadable manifest: {}", e.what()));
@@ -750,11 +742,7 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
       }
       opt.set_learning_rates(lrs);
     }
-    if (rng.defined()) {
-      auto gen = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(rng);
-    }
+    if (rng) ck::restore(ck::Generators::process_defaults(), *rng);
   }
   strategy.state_loaded();
   if (stats != nullptr) {

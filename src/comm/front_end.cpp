@@ -68,6 +68,7 @@ WorkPtr FrontEnd::issue(Collective call, const at::Tensor& described, bool reduc
 }
 
 WorkPtr FrontEnd::issue(PointToPoint call) {
+  transport_->check_call(call);
   std::lock_guard<std::mutex> lock(issue_mu_);
   const uint64_t seq = next_p2p_seq_++;
   call.context.sequence = static_cast<int64_t>(seq);

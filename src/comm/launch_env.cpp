@@ -271,6 +271,9 @@ LaunchInfo LaunchInfo::from_env(const std::map<std::string, std::string>& env) {
                        store_protocol::kMaxTokenBytes));
     info.store_token = *token;
   }
+  // Read even when empty: CUDA_VISIBLE_DEVICES="" hides every device.
+  if (auto it = env.find("CUDA_VISIBLE_DEVICES"); it != env.end())
+    info.cuda_visible_devices = it->second;
   info.validate();
   return info;
 }

@@ -129,7 +129,7 @@ void LaunchInfo::validate() const {
 CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options) const {
   if (options.interface.empty() && options.hostname.empty()) options.interface = socket_interface;
   if (options.device_index < 0 && options.backend == Backend::kNccl)
-    options.device_index = local_rank;
+    options.device_index = cuda_device(cuda_device_count(), options.backend);
   if (consistency > options.consistency) options.consistency = consistency;
   if (options.transport == Transport::kAuto) options.transport = transport;
   return options;

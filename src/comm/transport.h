@@ -57,6 +57,8 @@ class Transport {
   // Backend limits of a whole call (reductions per dtype, in-place layouts); throws
   // InvalidArgument.
   virtual void check_call(const Collective& /*call*/) const {}
+  // Backend limits of a point-to-point call (NCCL: tags); throws InvalidArgument.
+  virtual void check_call(const PointToPoint& /*call*/) const {}
   // Start a call and return its Work without waiting for peers; failures land in the Work.
   // The front end calls these under one lock, in sequence-number order.
   virtual WorkPtr start(Collective call) = 0;

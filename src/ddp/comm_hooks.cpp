@@ -51,8 +51,11 @@ class ParameterServerHook final : public CommHook {
                             fmt::format("root {} is not a rank of [0, {})", root_, world));
     }
     if (world == 1) return comm.all_reduce(b.buffer, ReduceOp::kAvg);
-    // The bucket index tags the transfers so that buckets in flight never mix.
-    const uint32_t tag = static_cast<uint32_t>(b.index);
+    // The bucket index tags the transfers so that buckets in flight never mix. NCCL has no
+    // tags and refuses any but 0 (docs/nccl.md): there a pair's messages match in issue
+    // order, which is the buckets' order on every rank.
+    const uint32_t tag =
+        comm.backend() == Backend::kNccl ? 0u : static_cast<uint32_t>(b.index);
     at::Tensor buffer = b.buffer;
     Communicator* c = &comm;
     const int root = root_;

@@ -54,6 +54,11 @@ dtrain-run exits non-zero. SIGINT/SIGTERM are forwarded to the ranks, SIGHUP/SIG
 them SIGTERM; a second signal kills them. If dtrain-run itself dies (even by SIGKILL), the
 ranks get SIGKILL.
 
+GPUs: CUDA_VISIBLE_DEVICES is passed on unchanged, and each rank picks its GPU by dtrain's
+device contract (dtrain/rendezvous.h, LaunchInfo::cuda_device): GPU LOCAL_RANK, or 0 when
+CUDA_VISIBLE_DEVICES shows the rank a single GPU. With NCCL, more ranks per node than GPUs
+is refused by the ranks, before NCCL starts.
+
 Options come before the program, as --name=value or --name value.
 exit status: 0 when every rank exited 0; otherwise the failed rank's exit code, or
 128 + the signal that killed it, or 128 + the signal dtrain-run received (129 SIGHUP,

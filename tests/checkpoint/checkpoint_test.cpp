@@ -20,11 +20,16 @@
 
 #include <fmt/format.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "checkpoint/rng_states.h"
+#include "checkpoint/safetensors.h"
 #include "compat/torch_compat.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/rendezvous.h"
 #include "dtrain/single_device.h"
 #include "strategy/training.h"
 #include "support/check.h"
@@ -387,6 +392,154 @@ TEST(Checkpoint, RefusesMismatchedAndCorruptedCheckpoints) {
 // verified) with its values. A rank killed after its files are durable ("files_written" on
 // rank 1) no longer stops rank 0 from committing the complete second checkpoint. Never a
 // partial checkpoint, whichever rank dies.
+// Random generators (rng_states.h): CUDA generators follow the CPU one's rules. CPU
+// generators stand in for CUDA devices' so that the rules run without a GPU.
+checkpoint::Generators stand_in_generators(int cuda_devices, uint64_t seed) {
+  checkpoint::Generators g;
+  g.cpu = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int d = 0; d < cuda_devices; ++d) {
+    g.cuda.push_back(at::make_generator<at::CPUGeneratorImpl>(seed + 100 + d));
+  }
+  return g;
+}
+
+// The next draw of a generator: equal draws, equal states.
+double draw(at::Generator g) { return at::rand({1}, g).item<double>(); }
+
+checkpoint::SafetensorsReader write_and_open(
+    const TempDir& dir, const std::vector<std::pair<std::string, at::Tensor>>& entries) {
+  const std::string path = dir / "extra.safetensors";
+  checkpoint::write_safetensors(path, entries);
+  return checkpoint::SafetensorsReader::open(path);
+}
+
+TEST(CheckpointRng, CudaStatesRoundTripWhenTheDeviceCountMatches) {
+  TempDir dir("rng_roundtrip");
+  const auto saved = stand_in_generators(2, 1);
+  draw(saved.cuda[1]);  // states that differ from a fresh generator's
+  const checkpoint::RngStates states = checkpoint::capture(saved);
+  std::vector<std::pair<std::string, at::Tensor>> extra;
+  checkpoint::append_rng_entries(3, states, extra);
+  auto reader = write_and_open(dir, extra);
+  ASSERT_NE(reader.find("rng/cpu/3"), nullptr);
+  ASSERT_NE(reader.find("rng/cuda/3/1"), nullptr);
+  EXPECT_EQ(reader.read("rng/cuda_count/3").item<int64_t>(), 2);
+  EXPECT_FALSE(checkpoint::read_rng_entries(reader, 0).has_value());  // another rank's
+  const auto loaded = checkpoint::read_rng_entries(reader, 3);
+  ASSERT_TRUE(loaded.has_value());
+  ASSERT_EQ(loaded->cuda.size(), 2u);
+
+  const auto target = stand_in_generators(2, 50);
+  EXPECT_EQ(checkpoint::restore(target, *loaded), checkpoint::CudaRestore::kRestored);
+  EXPECT_EQ(draw(target.cpu), draw(saved.cpu));
+  EXPECT_EQ(draw(target.cuda[0]), draw(saved.cuda[0]));
+  EXPECT_EQ(draw(target.cuda[1]), draw(saved.cuda[1]));
+}
+
+TEST(CheckpointRng, OtherDeviceCountRestoresTheCpuAndLeavesCudaGenerators) {
+  TempDir dir("rng_count");
+  const auto saved = stand_in_generators(2, 1);
+  std::vector<std::pair<std::string, at::Tensor>> extra;
+  checkpoint::append_rng_entries(0, checkpoint::capture(saved), extra);
+  auto reader = write_and_open(dir, extra);
+  const auto loaded = checkpoint::read_rng_entries(reader, 0);
+  ASSERT_TRUE(loaded.has_value());
+  for (int devices : {0, 1, 3}) {
+    const auto target = stand_in_generators(devices, 50);
+    const auto untouched = stand_in_generators(devices, 50);
+    EXPECT_EQ(checkpoint::restore(target, *loaded), checkpoint::CudaRestore::kCountDiffers)
+        << devices;
+    // A fresh twin of `saved` (whose own state the draws below would advance).
+    EXPECT_EQ(draw(target.cpu), draw(stand_in_generators(2, 1).cpu)) << devices;
+    for (int d = 0; d < devices; ++d) {
+      EXPECT_EQ(draw(target.cuda[d]), draw(untouched.cuda[d])) << devices << " device " << d;
+    }
+  }
+}
+
+TEST(CheckpointRng, CheckpointsWithoutCudaStatesReadAsZeroCudaGenerators) {
+  TempDir dir("rng_old");
+  const auto saved = stand_in_generators(0, 1);
+  // The format before CUDA generators were saved: "rng/cpu/<r>" alone.
+  auto reader = write_and_open(dir, {{"rng/cpu/0", checkpoint::capture(saved).cpu}});
+  const auto loaded = checkpoint::read_rng_entries(reader, 0);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_TRUE(loaded->cuda.empty());
+  const auto cpu_only = stand_in_generators(0, 50);
+  EXPECT_EQ(checkpoint::restore(cpu_only, *loaded), checkpoint::CudaRestore::kNone);
+  EXPECT_EQ(draw(cpu_only.cpu), draw(saved.cpu));
+  const auto with_gpus = stand_in_generators(1, 50);
+  EXPECT_EQ(checkpoint::restore(with_gpus, *loaded), checkpoint::CudaRestore::kCountDiffers);
+}
+
+TEST(CheckpointRng, MissingCudaEntryIsACheckpointError) {
+  TempDir dir("rng_missing");
+  const auto states = checkpoint::capture(stand_in_generators(2, 1));
+  auto reader = write_and_open(dir, {{"rng/cpu/0", states.cpu},
+                                     {"rng/cuda_count/0", at::full({1}, int64_t{2}, at::kLong)},
+                                     {"rng/cuda/0/0", states.cuda[0]}});
+  try {
+    checkpoint::read_rng_entries(reader, 0);
+    ADD_FAILURE() << "read a checkpoint with a CUDA state missing";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("rng/cuda/0/1 is missing"), std::string::npos)
+        << e.what();
+  }
+}
+
+// Ranks that see different numbers of GPUs: rank 0 gets every rank's states intact.
+TEST(CheckpointRng, GatherCarriesEveryRanksStatesToRankZero) {
+  run_ranks(3, [](Communicator& comm) {
+    const auto mine = checkpoint::capture(stand_in_generators(comm.rank(), 10 * comm.rank() + 1));
+    const auto all = checkpoint::gather_rng_states(&comm, mine);
+    if (comm.rank() != 0) {
+      DTRAIN_CHECK(all.empty(), "only rank 0 receives the states");
+      return;
+    }
+    DTRAIN_CHECK(all.size() == 3, "one entry per rank");
+    for (int r = 0; r < 3; ++r) {
+      const auto want = checkpoint::capture(stand_in_generators(r, 10 * r + 1));
+      DTRAIN_CHECK(at::equal(all[r].cpu, want.cpu), "rank {} CPU state", r);
+      DTRAIN_CHECK(all[r].cuda.size() == static_cast<size_t>(r), "rank {} CUDA count", r);
+      for (int d = 0; d < r; ++d) {
+        DTRAIN_CHECK(at::equal(all[r].cuda[d], want.cuda[d]), "rank {} device {}", r, d);
+      }
+    }
+  });
+}
+
+// Through save_checkpoint on this machine: every rank records its CUDA generator count (zero
+// without a GPU), and a load at the same world size restores the CPU generator. (Thread ranks
+// share the process's generators, so the restore is checked with one rank.)
+TEST(CheckpointRng, SavedCheckpointRecordsEachRanksCudaGeneratorCount) {
+  TempDir dir("rng_e2e");
+  const int devices = cuda_device_count();
+  run_setup(RankSetup{"ddp2", "ddp", 2}, [&](Rank& rk) {
+    TrainingState st;
+    st.step = 1;
+    save_checkpoint(dir.path().string(), *rk.strategy, rk.opt.get(), st);
+  });
+  auto reader = checkpoint::SafetensorsReader::open(
+      (fs::path(latest_checkpoint(dir.path().string())) / "extra.safetensors").string());
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(reader.read(fmt::format("rng/cuda_count/{}", r)).item<int64_t>(), devices);
+    EXPECT_EQ(reader.find(fmt::format("rng/cuda/{}/{}", r, devices)), nullptr);
+  }
+
+  TempDir one("rng_e2e_single");
+  double after_save = 0;
+  run_setup(RankSetup{"single", "single", 1}, [&](Rank& rk) {
+    TrainingState st;
+    st.step = 1;
+    at::manual_seed(1234);
+    save_checkpoint(one.path().string(), *rk.strategy, rk.opt.get(), st);
+    after_save = at::rand({1}).item<double>();
+    at::manual_seed(99);
+    load_checkpoint(latest_checkpoint(one.path().string()), *rk.strategy, rk.opt.get());
+    DTRAIN_CHECK(at::rand({1}).item<double>() == after_save, "CPU generator restored");
+  });
+}
+
 TEST(CheckpointKill, RankKilledAtAnyPointOfAShardedSaveLeavesALoadableCheckpoint) {
   struct Kill {
     const char* point;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "comm/failure.h"
+#include "comm/nccl/tag_policy.h"
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
@@ -316,6 +317,24 @@ TEST(ThreadFailures, PeerLeavingMidCollectiveIsACommErrorNamingTheCall) {
 // dtype of the same width was reinterpreted silently. Size and dtype are now part of the
 // match: the side that times out first names the likely cause (and Gloo then closes its
 // connections, so the other side may see "connection closed" first).
+// NCCL matches sends and recvs in issue order and has no tags: its backend refuses a tag
+// rather than ignore it (the check is plain C++, tested here without NCCL or a GPU).
+TEST(PointToPoint, NcclRefusesTagsInsteadOfIgnoringThem) {
+  const ErrorContext ctx{1, 2, "send", 4};
+  EXPECT_NO_THROW(nccl_backend::check_tag(0, ctx));
+  for (uint32_t tag : {1u, 0x636b7074u, 0xffffffffu}) {
+    try {
+      nccl_backend::check_tag(tag, ctx);
+      ADD_FAILURE() << "tag " << tag << " accepted";
+    } catch (const InvalidArgument& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("tag " + std::to_string(tag)), std::string::npos) << msg;
+      EXPECT_NE(msg.find("NCCL has no tags"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 1/2 send"), std::string::npos) << msg;
+    }
+  }
+}
+
 TEST(PointToPoint, SizeOrDtypeMismatchTimesOutInsteadOfAborting) {
   for (bool same_size : {false, true}) {
     std::mutex mu;

@@ -9,9 +9,14 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
+#include <functional>
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
+
+#include "comm/device_contract.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
 #include "support/ranks.h"
@@ -99,6 +104,124 @@ std::string from_env_error(const Env& env) {
     return e.what();
   }
   return "no error";
+}
+
+// The device contract (LaunchInfo::cuda_device): the environment and the device count are
+// injected, so every case runs without a GPU.
+LaunchInfo launch_on_host(int local_rank, int local_world, std::optional<std::string> visible) {
+  std::map<std::string, std::string> env = {{"RANK", std::to_string(local_rank)},
+                                            {"WORLD_SIZE", std::to_string(local_world)},
+                                            {"LOCAL_RANK", std::to_string(local_rank)},
+                                            {"LOCAL_WORLD_SIZE", std::to_string(local_world)}};
+  if (visible) env["CUDA_VISIBLE_DEVICES"] = *visible;
+  return LaunchInfo::from_env(env);
+}
+
+std::string invalid_message(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "(no InvalidArgument)";
+}
+
+TEST(DeviceContract, ReadsCudaVisibleDevicesEvenWhenEmpty) {
+  EXPECT_FALSE(launch_on_host(0, 1, std::nullopt).cuda_visible_devices.has_value());
+  EXPECT_EQ(launch_on_host(0, 1, "3").cuda_visible_devices, "3");
+  EXPECT_EQ(launch_on_host(0, 1, "").cuda_visible_devices, "");
+  EXPECT_TRUE(launch_on_host(0, 1, "3").narrowed_to_one_gpu());
+  EXPECT_TRUE(launch_on_host(0, 1, "GPU-8a1c").narrowed_to_one_gpu());
+  EXPECT_TRUE(launch_on_host(0, 1, "2,-1,3").narrowed_to_one_gpu());  // CUDA stops at -1
+  EXPECT_FALSE(launch_on_host(0, 1, "2,3").narrowed_to_one_gpu());
+  EXPECT_FALSE(launch_on_host(0, 1, "").narrowed_to_one_gpu());
+  EXPECT_FALSE(launch_on_host(0, 1, std::nullopt).narrowed_to_one_gpu());
+}
+
+TEST(DeviceContract, LocalRankUnlessNarrowedToOneDevice) {
+  for (Backend b : {Backend::kNccl, Backend::kGloo}) {
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(launch_on_host(r, 4, std::nullopt).cuda_device(4, b), r) << to_string(b);
+      EXPECT_EQ(launch_on_host(r, 4, "0,1,2,3").cuda_device(8, b), r) << to_string(b);
+      // Slurm's --gpus-per-task: each rank sees only its own GPU, as device 0.
+      EXPECT_EQ(launch_on_host(r, 4, std::to_string(r)).cuda_device(1, b), 0) << to_string(b);
+    }
+  }
+}
+
+TEST(DeviceContract, NcclRefusesMoreRanksThanGpusNamingCountsAndRemedies) {
+  // Every rank refuses, also local rank 0, whose device exists: otherwise it would wait in
+  // NCCL's initialisation for peers that failed.
+  for (int r = 0; r < 4; ++r) {
+    const std::string msg = invalid_message(
+        [&] { launch_on_host(r, 4, std::nullopt).cuda_device(1, Backend::kNccl); });
+    EXPECT_NE(msg.find("4 ranks on this host"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("1 visible CUDA device"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("CUDA_VISIBLE_DEVICES unset"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("NCCL cannot run two ranks on one GPU"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--nproc_per_node"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Gloo backend"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(fmt::format("rank {}/4", r)), std::string::npos) << msg;
+  }
+  const std::string msg =
+      invalid_message([&] { launch_on_host(1, 3, "4,5").cuda_device(2, Backend::kNccl); });
+  EXPECT_NE(msg.find("CUDA_VISIBLE_DEVICES='4,5'"), std::string::npos) << msg;
+}
+
+TEST(DeviceContract, GlooSharesGpusRoundRobin) {
+  EXPECT_EQ(launch_on_host(0, 4, std::nullopt).cuda_device(1, Backend::kGloo), 0);
+  EXPECT_EQ(launch_on_host(3, 4, std::nullopt).cuda_device(1, Backend::kGloo), 0);
+  EXPECT_EQ(launch_on_host(3, 4, std::nullopt).cuda_device(2, Backend::kGloo), 1);
+}
+
+TEST(DeviceContract, NoVisibleDeviceIsInvalid) {
+  for (Backend b : {Backend::kNccl, Backend::kGloo}) {
+    const std::string msg = invalid_message([&] { launch_on_host(0, 1, "").cuda_device(0, b); });
+    EXPECT_NE(msg.find("no CUDA device is visible"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("CUDA_VISIBLE_DEVICES=''"), std::string::npos) << msg;
+  }
+}
+
+// init_communicator fills the NCCL device in by the same rule; on a machine without a GPU it
+// refuses before any backend is built.
+TEST(DeviceContract, CommunicatorOptionsFollowTheRule) {
+  CommunicatorOptions gloo;
+  EXPECT_EQ(launch_on_host(1, 2, std::nullopt).communicator_options(gloo).device_index, -1);
+  CommunicatorOptions nccl;
+  nccl.backend = Backend::kNccl;
+  nccl.device_index = 5;  // the caller's choice wins
+  EXPECT_EQ(launch_on_host(1, 2, std::nullopt).communicator_options(nccl).device_index, 5);
+  nccl.device_index = -1;
+  const int n = cuda_device_count();
+  if (n >= 2) {
+    EXPECT_EQ(launch_on_host(1, 2, std::nullopt).communicator_options(nccl).device_index, 1);
+  } else {
+    EXPECT_THROW(launch_on_host(1, 2, std::nullopt).communicator_options(nccl), InvalidArgument);
+  }
+}
+
+TEST(DeviceContract, SharedGpuAcrossRanksIsFoundByUuid) {
+  using detail::GpuClaim;
+  const GpuClaim a{"GPU-aaaa", "node1", 0, 1};
+  const GpuClaim b{"GPU-bbbb", "node1", 0, 1};
+  EXPECT_EQ(detail::find_shared_gpu({a, b}), std::nullopt);
+  EXPECT_EQ(detail::find_shared_gpu({a}), std::nullopt);
+  // Two ranks narrowed to the same GPU (CUDA_VISIBLE_DEVICES=0 inherited by both).
+  const GpuClaim a_again{"GPU-aaaa", "node1", 0, 1};
+  const auto msg = detail::find_shared_gpu({b, a, a_again});
+  ASSERT_TRUE(msg.has_value());
+  EXPECT_NE(msg->find("ranks 1 and 2 would both use GPU GPU-aaaa on host node1"),
+            std::string::npos)
+      << *msg;
+  EXPECT_NE(msg->find("sees 1 CUDA device"), std::string::npos) << *msg;
+  EXPECT_NE(msg->find("Gloo backend"), std::string::npos) << *msg;
+  // The claim travels through the store as text.
+  const GpuClaim round = detail::parse_gpu_claim(detail::serialize(GpuClaim{"GPU-c", "h", 3, 8}));
+  EXPECT_EQ(round.uuid, "GPU-c");
+  EXPECT_EQ(round.host, "h");
+  EXPECT_EQ(round.device, 3);
+  EXPECT_EQ(round.device_count, 8);
+  EXPECT_THROW(detail::parse_gpu_claim("GPU-c\nh"), std::invalid_argument);
 }
 
 TEST(LaunchConventions, EmptyEnvironmentIsOneProcess) {

@@ -1,8 +1,17 @@
 // The NCCL backend at world size 1: NCCL refuses two ranks on one GPU, so multi-rank
-// correctness is proven on Gloo with the same shapes (tests/comm/collectives_test.cpp), and
-// here every collective, dtype and size goes through NCCL, the stream ordering and the
-// error paths. Expected values are computed on the host from closed-form inputs.
-// Every test skips without a CUDA device, or with a LibTorch built without CUDA.
+// correctness is proven on Gloo with the same shapes (tests/comm/collectives_test.cpp, and on
+// CUDA tensors by scripts/gpu-check.sh), and here every collective, dtype and size goes through
+// NCCL, the stream ordering and the error paths. Expected values are computed on the host from
+// closed-form inputs.
+//
+// What world size 1 can and cannot show: every reduction returns its input, so a wrong
+// ReduceOp cannot show in a result; NCCL only copies bytes, so a dtype swapped for another of
+// the same size (bf16/fp16, int32/float32) cannot either. Those maps are checked on the host
+// against NCCL's own enums (NcclMaps, no GPU needed). What does show: a wrong element size
+// or count (the copy overruns into, or stops short of, sentinel padding around views with
+// storage offsets), a wrong offset (data_ptr ignoring the view's storage offset reads or
+// writes the padding), a wrong slice (the rank block of all_gather / reduce_scatter).
+// The GPU tests skip without a CUDA device, or with a LibTorch built without CUDA.
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -16,6 +25,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/nccl/nccl_util.h"
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "support/expected_values.h"
@@ -175,6 +185,138 @@ TEST_F(Nccl, ReduceScatterEveryOpDtypeAndSizeLeavesInputAlone) {
             << label("reduce_scatter", dtype, n) << " " << to_string(op);
         EXPECT_TRUE(at::equal(in, before)) << label("reduce_scatter", dtype, n) << " input";
       }
+    }
+  }
+}
+
+// Host-only: the dtype and reduction maps, against NCCL's enums and element sizes. Runs
+// wherever the NCCL backend is built, GPU or not.
+TEST(NcclMaps, EveryDtypeMapsToNcclsTypeOfTheSameKindAndSize) {
+  struct Row {
+    c10::ScalarType dtype;
+    ncclDataType_t nccl;
+    size_t bytes;
+  };
+  const std::vector<Row> rows = {
+      {at::kFloat, ncclFloat32, 4}, {at::kDouble, ncclFloat64, 8}, {at::kHalf, ncclFloat16, 2},
+      {at::kBFloat16, ncclBfloat16, 2}, {at::kChar, ncclInt8, 1},   {at::kByte, ncclUint8, 1},
+      {at::kInt, ncclInt32, 4},         {at::kLong, ncclInt64, 8}};
+  const ErrorContext ctx{0, 1, "test", -1};
+  for (const Row& r : rows) {
+    EXPECT_EQ(nccl_backend::nccl_type(r.dtype, ctx), r.nccl) << c10::toString(r.dtype);
+    EXPECT_EQ(c10::elementSize(r.dtype), r.bytes) << c10::toString(r.dtype);
+  }
+  EXPECT_EQ(rows.size(), kDtypes.size());
+  for (auto bad : {at::kShort, at::kBool, at::kComplexFloat}) {
+    EXPECT_THROW(nccl_backend::nccl_type(bad, ctx), InvalidArgument) << c10::toString(bad);
+  }
+}
+
+TEST(NcclMaps, EveryReduceOpMapsToItsNcclOp) {
+  EXPECT_EQ(nccl_backend::nccl_op(ReduceOp::kSum), ncclSum);
+  EXPECT_EQ(nccl_backend::nccl_op(ReduceOp::kAvg), ncclAvg);
+  EXPECT_EQ(nccl_backend::nccl_op(ReduceOp::kMin), ncclMin);
+  EXPECT_EQ(nccl_backend::nccl_op(ReduceOp::kMax), ncclMax);
+}
+
+// Views into larger buffers, with sentinel padding on both sides: a launch that ignores the
+// storage offset, uses another element size or count, or the wrong rank block, touches the
+// padding or leaves the expected values missing.
+TEST_F(Nccl, ViewsWithStorageOffsetsGetExactlyTheirElements) {
+  auto c = make_single();
+  const int64_t pad = 37;
+  const double sentinel = 99;  // not a value() result, and exact in every dtype
+  auto padded = [&](at::Tensor buf, int64_t n) {
+    return mismatch(buf.narrow(0, 0, pad), [&](int64_t) { return sentinel; }) +
+           mismatch(buf.narrow(0, pad + n, buf.numel() - pad - n),
+                    [&](int64_t) { return sentinel; });
+  };
+  for (auto dtype : kDtypes) {
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1001}, int64_t{(1 << 20) + 3}}) {
+      const std::string what = label("view", dtype, n);
+      at::Tensor in_buf = cuda_full(n * kWorld + 2 * pad, sentinel, dtype);
+      at::Tensor in = in_buf.narrow(0, pad, n);
+      in.copy_(make_input(dtype, n));
+      ASSERT_EQ(in.storage_offset(), pad);
+
+      at::Tensor out_buf = cuda_full(n * kWorld + 2 * pad, sentinel, dtype);
+      at::Tensor out = out_buf.narrow(0, pad, n * kWorld);
+      c->all_gather(out, in)->wait();
+      EXPECT_EQ(mismatch(out, [&](int64_t j) { return value(static_cast<int>(j / n), j % n); }),
+                "")
+          << what << " all_gather";
+      EXPECT_EQ(padded(out_buf, n * kWorld), "") << what << " all_gather padding";
+      EXPECT_EQ(padded(in_buf, n), "") << what << " all_gather input padding";
+
+      // reduce_scatter from a padded flat view into a padded shard view.
+      at::Tensor flat_buf = cuda_full(n * kWorld + 2 * pad, sentinel, dtype);
+      at::Tensor flat = flat_buf.narrow(0, pad, n * kWorld);
+      flat.copy_(make_input(dtype, n * kWorld));
+      at::Tensor shard_buf = cuda_full(n + 2 * pad, sentinel, dtype);
+      at::Tensor shard = shard_buf.narrow(0, pad, n);
+      for (ReduceOp op : ops_for(dtype)) {
+        c->reduce_scatter(shard, flat, op)->wait();
+        const int64_t base = c->rank() * n;
+        EXPECT_EQ(
+            mismatch(shard, [&](int64_t i) { return reduce_expected(op, kWorld, base + i); }), "")
+            << what << " reduce_scatter " << to_string(op);
+        EXPECT_EQ(padded(shard_buf, n), "") << what << " reduce_scatter padding";
+        EXPECT_EQ(padded(flat_buf, n * kWorld), "") << what << " reduce_scatter input padding";
+      }
+
+      // all_reduce and broadcast in place on a view.
+      for (ReduceOp op : ops_for(dtype)) {
+        in.copy_(make_input(dtype, n));
+        c->all_reduce(in, op)->wait();
+        EXPECT_EQ(mismatch(in, [&](int64_t i) { return reduce_expected(op, kWorld, i); }), "")
+            << what << " all_reduce " << to_string(op);
+        EXPECT_EQ(padded(in_buf, n), "") << what << " all_reduce padding";
+      }
+      c->broadcast(in, 0)->wait();
+      EXPECT_EQ(mismatch(in, [&](int64_t i) { return value(0, i); }), "") << what << " broadcast";
+      EXPECT_EQ(padded(in_buf, n), "") << what << " broadcast padding";
+    }
+  }
+}
+
+// The in-place layouts FSDP uses, with the flat buffer itself a view at an offset: the rank
+// block is found relative to the view, not to the storage.
+TEST_F(Nccl, InPlaceRankBlocksOfAnOffsetFlatView) {
+  auto c = make_single();
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kInt}) {
+    const int64_t n = 513, pad = 5;
+    at::Tensor buf = cuda_full(n * kWorld + pad, -3, dtype);
+    at::Tensor flat = buf.narrow(0, pad, n * kWorld);
+    flat.narrow(0, c->rank() * n, n).copy_(make_input(dtype, n));
+    c->all_gather(flat, flat.narrow(0, c->rank() * n, n))->wait();
+    EXPECT_EQ(mismatch(flat, [&](int64_t j) { return value(static_cast<int>(j / n), j % n); }),
+              "")
+        << c10::toString(dtype);
+    flat.copy_(make_input(dtype, n * kWorld));
+    c->reduce_scatter(flat.narrow(0, c->rank() * n, n), flat, ReduceOp::kSum)->wait();
+    EXPECT_EQ(mismatch(flat.narrow(0, c->rank() * n, n),
+                       [&](int64_t i) { return reduce_expected(ReduceOp::kSum, kWorld, i); }),
+              "")
+        << c10::toString(dtype);
+    EXPECT_EQ(mismatch(buf.narrow(0, 0, pad), [](int64_t) { return -3.0; }), "")
+        << c10::toString(dtype);
+  }
+}
+
+// Non-trivial floating values (not small integers) through every floating dtype and op: the
+// result must be the input rounded to the dtype, bit for bit (world size 1 only copies).
+TEST_F(Nccl, FloatingValuesSurviveEveryOpBitForBit) {
+  auto c = make_single();
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    const int64_t n = 4099;
+    at::Tensor host = at::linspace(-3.7, 1234.5, n, at::kDouble).to(dtype);
+    for (ReduceOp op : ops_for(dtype)) {
+      at::Tensor t = host.to(at::Device(at::kCUDA, 0));
+      c->all_reduce(t, op)->wait();
+      EXPECT_TRUE(at::equal(t.cpu(), host)) << c10::toString(dtype) << " " << to_string(op);
+      at::Tensor out = at::empty_like(t);
+      c->reduce_scatter(out, t, op)->wait();
+      EXPECT_TRUE(at::equal(out.cpu(), host)) << c10::toString(dtype) << " " << to_string(op);
     }
   }
 }

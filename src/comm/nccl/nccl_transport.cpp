@@ -2,11 +2,17 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <unistd.h>
+
 #include <cstring>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
+#include "comm/device_contract.h"
+#include "comm/nccl/header_exchange.h"
 #include "comm/nccl/nccl_comm.h"
+#include "comm/nccl/tag_policy.h"
 #include "comm/nccl/nccl_util.h"
 
 namespace dtrain::nccl_backend {
@@ -32,11 +38,65 @@ int resolve_device(const CommunicatorOptions& options, const ErrorContext& ctx) 
   return device;
 }
 
+std::string gpu_uuid(int device, const ErrorContext& ctx) {
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), ctx, "cudaGetDeviceProperties");
+  std::string hex;
+  for (int i = 0; i < 16; ++i) {
+    hex += fmt::format("{:02x}", static_cast<uint8_t>(prop.uuid.bytes[i]));
+    if (i == 3 || i == 5 || i == 7 || i == 9) hex += '-';
+  }
+  return "GPU-" + hex;
+}
+
+std::chrono::milliseconds time_left(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+}
+
+// The device contract across ranks (dtrain/rendezvous.h): NCCL refuses two ranks on one GPU
+// with a cryptic "Duplicate GPU detected", or hangs, so the ranks compare their GPUs' UUIDs
+// through the store first and all refuse with the same InvalidArgument. Rank 0 keeps the store
+// (which it may serve) until every rank has read the claims.
+void check_distinct_gpus(Store& store, int rank, int world_size, int device, int device_count,
+                         Clock::time_point deadline, const ErrorContext& ctx) {
+  if (world_size == 1) return;
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "?");
+  const detail::GpuClaim mine{gpu_uuid(device, ctx), host, device, device_count};
+  const std::string text = detail::serialize(mine);
+  store.set(fmt::format("gpu/{}", rank), Bytes(text.begin(), text.end()));
+  std::vector<detail::GpuClaim> claims;
+  try {
+    for (int r = 0; r < world_size; ++r) {
+      const Bytes b = store.get(fmt::format("gpu/{}", r), time_left(deadline));
+      claims.push_back(detail::parse_gpu_claim(std::string(b.begin(), b.end())));
+    }
+    store.set(fmt::format("gpu_read/{}", rank), Bytes{1});
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(ctx, fmt::format("not every rank said which GPU it uses in time ({})",
+                                        e.cause()));
+  } catch (const std::invalid_argument& e) {
+    throw CommError(ctx, e.what());
+  }
+  const auto shared = detail::find_shared_gpu(claims);
+  if (!shared) return;
+  if (rank == 0) {
+    std::vector<std::string> keys;
+    for (int r = 0; r < world_size; ++r) keys.push_back(fmt::format("gpu_read/{}", r));
+    try {
+      store.wait(keys, time_left(deadline));
+    } catch (const Error&) {
+      // Best effort: the others raise the same error, or a store error naming rank 0.
+    }
+  }
+  throw InvalidArgument(ctx, *shared);
+}
+
 // Rank 0 creates NCCL's unique id and publishes it through the store; the others wait for it
 // until `deadline`.
 ncclUniqueId exchange_unique_id(Store& store, int rank, Clock::time_point deadline,
-                                const ErrorContext& ctx) {
-  static const std::string kKey = "unique_id";
+                                const ErrorContext& ctx, const std::string& kKey) {
   ncclUniqueId id;
   if (rank == 0) {
     check_nccl(ncclGetUniqueId(&id), ctx, "ncclGetUniqueId");
@@ -87,9 +147,23 @@ class NcclTransport final : public detail::Transport {
     const ErrorContext ctx{rank, world_size, "connect", -1};
     const auto deadline = Clock::now() + options.timeout;
     device_ = resolve_device(options, ctx);
-    const ncclUniqueId id = exchange_unique_id(*store_, rank, deadline, ctx);
+    int count = 0;
+    check_cuda(cudaGetDeviceCount(&count), ctx, "cudaGetDeviceCount");
+    check_distinct_gpus(*store_, rank, world_size, device_, count, deadline, ctx);
+    const ncclUniqueId id = exchange_unique_id(*store_, rank, deadline, ctx, "unique_id");
     comm_ = std::make_unique<NcclComm>(id, rank, world_size, device_, deadline, options.timeout,
                                        std::move(failure));
+    if (world_size > 1) {
+      const ncclUniqueId hid = exchange_unique_id(*store_, rank, deadline, ctx, "header_id");
+      headers_ = std::make_shared<HeaderExchange>(hid, rank, world_size, device_, deadline);
+    }
+  }
+
+  ~NcclTransport() override {
+    // The data communicator first: it lets queued calls finish, and their header exchanges
+    // are all done.
+    comm_.reset();
+    headers_.reset();
   }
 
   Backend backend() const override { return Backend::kNccl; }
@@ -117,6 +191,11 @@ class NcclTransport final : public detail::Transport {
       throw InvalidArgument(call.context,
                             "output overlaps input but is not this rank's block of it");
     }
+  }
+
+  // Tags are refused, not ignored (tag_policy.h).
+  void check_call(const PointToPoint& call) const override {
+    check_tag(call.tag, call.context);
   }
 
   WorkPtr start(Collective call) override {
@@ -160,6 +239,16 @@ class NcclTransport final : public detail::Transport {
         };
         break;
     }
+    // The consistency check first, on the issuing thread under NcclComm's launch lock: its
+    // DesyncError or TimeoutError fails this call's Work and breaks the communicator before
+    // any data moved.
+    if (headers_) {
+      launch = [headers = headers_, header = call.header, timeout = call.timeout, ctx,
+                data = std::move(launch)](ncclComm_t comm, cudaStream_t stream) {
+        headers->run(header, timeout, ctx);
+        return data(comm, stream);
+      };
+    }
     // The Work of a barrier blocks the host in wait(): "every rank has called it" is a
     // statement about hosts, not streams.
     const bool blocks_host = call.op == CollectiveOp::kBarrier;
@@ -169,8 +258,8 @@ class NcclTransport final : public detail::Transport {
     return comm_->launch(ctx, std::move(tensors), call.timeout, blocks_host, launch);
   }
 
-  // NCCL has no tags: sends and receives between a pair match in issue order, and `tag` is
-  // only checked by Gloo. See docs/nccl.md.
+  // NCCL has no tags: sends and receives between a pair match in issue order; check_call
+  // refused every tag but 0. See docs/nccl.md.
   WorkPtr start(PointToPoint call) override {
     const ncclDataType_t type = nccl_type(call.tensor.scalar_type(), call.context);
     void* data = call.tensor.data_ptr();
@@ -197,6 +286,7 @@ class NcclTransport final : public detail::Transport {
   std::shared_ptr<Store> store_;
   int device_ = -1;
   std::unique_ptr<NcclComm> comm_;
+  std::shared_ptr<HeaderExchange> headers_;  // null at world size 1
 };
 
 }  // namespace

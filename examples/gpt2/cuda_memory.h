@@ -1,0 +1,14 @@
+// GPU memory of the trainer: the CUDA caching allocator's peak, what PyTorch's
+// torch.cuda.max_memory_allocated() reports. Reachable only through c10::cuda, so the code
+// that reads it is compiled only against a LibTorch built with CUDA (GPT2_HAS_C10_CUDA).
+#pragma once
+
+#include <optional>
+
+namespace gpt2 {
+
+// Peak bytes (MiB) the caching allocator handed out on `device` since the process started;
+// nullopt with a LibTorch without CUDA.
+std::optional<double> cuda_peak_mib(int device);
+
+}  // namespace gpt2
