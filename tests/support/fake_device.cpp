@@ -1,0 +1,420 @@
+#include "support/fake_device.h"
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_copy_from_and_resize_native.h>
+#include <ATen/ops/_local_scalar_dense.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace dtrain::testing {
+namespace {
+
+constexpr c10::DeviceType kFake = c10::DeviceType::PrivateUse1;
+
+void* to_fake(void* real) {
+  return real == nullptr
+             ? nullptr
+             : reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(real) + kFakeAddressOffset);
+}
+
+// Host memory behind every fake storage. The DataPtr's context is the real allocation, its data
+// the unmappable fake address: whoever frees the storage frees the real memory, whoever reads
+// through data() faults.
+void free_real(void* real) { c10::GetCPUAllocator()->raw_deleter()(real); }
+
+struct FakeAllocator final : c10::Allocator {
+  at::DataPtr make(size_t nbytes) const {
+    const c10::Device device(kFake, 0);
+    if (nbytes == 0) return at::DataPtr(nullptr, device);
+    at::DataPtr real = c10::GetCPUAllocator()->allocate(nbytes);
+    // The CPU allocator's pointer is its own context and its deleter is raw_deleter(): take it.
+    TORCH_INTERNAL_ASSERT(real.get() == real.get_context());
+    void* p = real.release_context();
+    return at::DataPtr(to_fake(p), p, &free_real, device);
+  }
+  // LibTorch 1.13 declares allocate() const, later versions non-const: defining both (without
+  // `override`, which would name only one) overrides whichever this LibTorch has.
+  at::DataPtr allocate(size_t nbytes) const { return make(nbytes); }
+  at::DataPtr allocate(size_t nbytes) { return make(nbytes); }
+  // Pure virtual in later LibTorch versions (storage copies); absent in 1.13.
+  void copy_data(void* dest, const void* src, std::size_t count) const {
+    if (count != 0) std::memcpy(host_address(dest), host_address(src), count);
+  }
+};
+
+FakeAllocator fake_allocator;
+
+c10::Allocator* allocator() { return &fake_allocator; }
+
+// One device, one default stream; work is synchronous, so events complete at once.
+struct FakeGuardImpl final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kFake; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    check(d);
+    return d;
+  }
+  c10::Device getDevice() const override { return c10::Device(kFake, 0); }
+  void setDevice(c10::Device d) const override { check(d); }
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override { return s; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex,
+              const c10::EventFlag) const override {
+    static char recorded;
+    *event = &recorded;
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+
+ private:
+  static void check(c10::Device d) {
+    TORCH_CHECK(d.type() == kFake && (!d.has_index() || d.index() == 0),
+                "the fake test device has one index, 0; got ", d);
+  }
+};
+
+void check_fake_device(c10::optional<c10::Device> device) {
+  if (device.has_value()) {
+    TORCH_CHECK(device->type() == kFake && (!device->has_index() || device->index() == 0),
+                "the fake test device has one index, 0; got ", *device);
+  }
+}
+
+constexpr c10::DispatchKeySet kFakeKeys{c10::DispatchKey::PrivateUse1};
+
+at::Tensor empty_memory_format(at::IntArrayRef size, c10::optional<at::ScalarType> dtype,
+                               c10::optional<at::Layout> layout, c10::optional<c10::Device> device,
+                               c10::optional<bool>, c10::optional<at::MemoryFormat> memory_format) {
+  check_fake_device(device);
+  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided,
+              "the fake test device has strided tensors only");
+  return at::detail::empty_generic(size, allocator(), kFakeKeys, c10::dtype_or_default(dtype),
+                                   memory_format);
+}
+
+at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride,
+                         c10::optional<at::ScalarType> dtype, c10::optional<at::Layout> layout,
+                         c10::optional<c10::Device> device, c10::optional<bool>) {
+  check_fake_device(device);
+  TORCH_CHECK(!layout.has_value() || *layout == at::kStrided,
+              "the fake test device has strided tensors only");
+  return at::detail::empty_strided_generic(size, stride, allocator(), kFakeKeys,
+                                           c10::dtype_or_default(dtype));
+}
+
+// The CPU tensor a kernel works on: the tensor itself when on the CPU, its host view when fake.
+at::Tensor on_host(const at::Tensor& t) {
+  if (!t.defined() || t.device().is_cpu()) return t;
+  TORCH_CHECK(is_fake(t), "the fake test device copies only to and from the CPU; got a tensor on ",
+              t.device());
+  return host_view(t);
+}
+
+at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  if (self.is_same(src)) return self;
+  on_host(self).copy_(on_host(src), non_blocking);
+  return self;
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  on_host(dst).copy_(on_host(self), non_blocking);
+  return dst;
+}
+
+// Grows the storage of `self` (fake) to hold `nbytes`, keeping its contents: what
+// resize_bytes_cpu does, with the copy done on host addresses.
+void grow_storage(const at::Tensor& self, size_t nbytes) {
+  c10::StorageImpl* storage = self.storage().unsafeGetStorageImpl();
+  if (nbytes <= storage->nbytes()) return;
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  at::DataPtr grown = allocator()->allocate(nbytes);
+  if (storage->nbytes() != 0) {
+    std::memcpy(host_address(grown.get()), host_address(storage->data_ptr().get()),
+                storage->nbytes());
+  }
+  storage->set_data_ptr_noswap(std::move(grown));
+  storage->set_nbytes(nbytes);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, at::IntArrayRef size,
+                          c10::optional<at::MemoryFormat> memory_format) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  if (self.sizes() != size) {
+    impl->set_sizes_contiguous(size);
+    if (impl->numel() != 0) {
+      grow_storage(self, at::detail::computeStorageNbytesContiguous(size, impl->dtype().itemsize(),
+                                                                    impl->storage_offset()));
+    }
+  }
+  if (memory_format.has_value()) {
+    TORCH_CHECK(*memory_format != at::MemoryFormat::Preserve, "Unsupported memory format ",
+                *memory_format);
+    impl->empty_tensor_restride(*memory_format);
+  }
+  return self;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) resize_(dst, self.sizes(), c10::nullopt);
+  return copy_from(self, dst, false);
+}
+
+at::Tensor& set_storage_offset(at::Tensor& self, c10::Storage source, int64_t storage_offset,
+                               at::IntArrayRef size, at::IntArrayRef stride) {
+  at::native::checkSetStorage(self, source, storage_offset, size, stride);
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_offset(storage_offset);
+  size_t nbytes = 0;
+  if (stride.size() == size.size() && (stride.data() != nullptr || size.empty())) {
+    impl->set_sizes_and_strides(size, stride);
+    nbytes =
+        at::detail::computeStorageNbytes(size, stride, impl->dtype().itemsize(), storage_offset);
+  } else {
+    TORCH_CHECK(stride.empty(), "set_: ", size.size(), " sizes but ", stride.size(), " strides");
+    impl->set_sizes_contiguous(size);
+    nbytes =
+        at::detail::computeStorageNbytesContiguous(size, impl->dtype().itemsize(), storage_offset);
+  }
+  if (impl->numel() != 0) grow_storage(self, nbytes);
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source) {
+  const int64_t n = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_storage_offset(self, std::move(source), 0, {n}, {});
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (self.unsafeGetTensorImpl() == source.unsafeGetTensorImpl()) return self;
+  return set_storage_offset(self, source.storage(), source.storage_offset(), source.sizes(),
+                            source.strides());
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::Storage empty(c10::Storage::use_byte_size_t(), 0, allocator(), /*resizable=*/true);
+  return set_storage_offset(self, std::move(empty), 0, {0}, {});
+}
+
+at::Tensor& fill_scalar(at::Tensor& self, const at::Scalar& value) {
+  host_view(self).fill_(value);
+  return self;
+}
+
+at::Tensor& zero_(at::Tensor& self) {
+  host_view(self).zero_();
+  return self;
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  return at::_local_scalar_dense(host_view(self));
+}
+
+// Module::to(device) swaps each parameter's tensor with set_data(), allowed only between
+// compatible tensor types; LibTorch 1.13 counts CPU and CUDA as dense but not PrivateUse1.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  const auto dense = [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && !t.is_quantized() && (t.device().is_cpu() || is_fake(t));
+  };
+  if (dense(self) && dense(from)) return true;
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+}
+
+bool holds_fake(const c10::IValue& v) {
+  if (v.isTensor()) return is_fake(v.toTensor());
+  if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorVector()) {
+      if (is_fake(t)) return true;
+    }
+  }
+  if (v.isOptionalTensorList()) {
+    for (const auto& t : v.toOptionalTensorVector()) {
+      if (t.has_value() && is_fake(*t)) return true;
+    }
+  }
+  return false;
+}
+
+c10::IValue to_fake_device(const c10::IValue& v) {
+  if (v.isTensor() && v.toTensor().defined() && v.toTensor().device().is_cpu()) {
+    return v.toTensor().to(fake_device());
+  }
+  if (v.isTensorList()) {
+    std::vector<at::Tensor> moved = v.toTensorVector();
+    for (at::Tensor& t : moved) {
+      if (t.defined() && t.device().is_cpu()) t = t.to(fake_device());
+    }
+    return c10::IValue(c10::List<at::Tensor>(std::move(moved)));
+  }
+  return v;
+}
+
+// Everything not above: LibTorch's CPU kernel on CPU copies of the arguments, results and
+// mutated arguments copied back (through copy_ / _copy_from_and_resize above). LibTorch 1.13's
+// cpu_fallback takes the results' device from the first Tensor argument only, so an operator
+// whose fake inputs all come in a list (cat, stack) would return CPU tensors: those are moved.
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t num_args = op.schema().arguments().size();
+  bool fake_in = false, tensor_in = false;
+  for (size_t i = stack->size() - num_args; i < stack->size(); ++i) {
+    const c10::IValue& v = (*stack)[i];
+    fake_in = fake_in || holds_fake(v);
+    tensor_in = tensor_in || (v.isTensor() && v.toTensor().defined());
+  }
+  at::native::cpu_fallback(op, stack);
+  if (!fake_in || tensor_in) return;
+  const size_t num_returns = op.schema().returns().size();
+  for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
+    (*stack)[i] = to_fake_device((*stack)[i]);
+  }
+}
+
+}  // namespace
+
+c10::Device fake_device() { return c10::Device(kFake, 0); }
+
+bool is_fake(const at::Tensor& t) { return t.defined() && t.device().type() == kFake; }
+
+void* host_address(const void* fake_pointer) {
+  return fake_pointer == nullptr
+             ? nullptr
+             : reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(fake_pointer) -
+                                       kFakeAddressOffset);
+}
+
+at::Tensor host_view(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  TORCH_CHECK(is_fake(t), "host_view: the tensor is on ", t.device(), ", not the fake device");
+  c10::Storage keep = t.storage();
+  void* base = host_address(keep.data_ptr().get());
+  const size_t nbytes = keep.nbytes();
+  at::DataPtr data = c10::InefficientStdFunctionContext::makeDataPtr(
+      base, [keep = std::move(keep)](void*) {}, c10::Device(c10::DeviceType::CPU));
+  c10::Storage host(c10::Storage::use_byte_size_t(), nbytes, std::move(data),
+                    /*allocator=*/nullptr, /*resizable=*/false);
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(host), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(),
+                                                   c10::make_optional(t.storage_offset()));
+  return out;
+}
+
+void ensure_fake_device_registered() {
+  // Registration is static (below); this checks that it happened in this process.
+  TORCH_CHECK(c10::GetAllocator(kFake) == allocator(),
+              "another allocator is registered for PrivateUse1: two fake backends in one process");
+}
+
+}  // namespace dtrain::testing
+
+// Process-wide registrations, run once when the binary loads (see the header).
+namespace {
+using namespace dtrain::testing;
+
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &fake_allocator);
+C10_REGISTER_GUARD_IMPL(PrivateUse1, FakeGuardImpl);
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  m.impl("empty_strided", TORCH_FN(empty_strided));
+  // Views alias the fake storage: LibTorch's device-independent kernels.
+  m.impl("as_strided", TORCH_FN(at::native::as_strided_tensorimpl));
+  m.impl("view", TORCH_FN(at::native::view));
+  m.impl("_reshape_alias", TORCH_FN(at::native::_reshape_alias));
+  m.impl("unfold", TORCH_FN(at::native::unfold));
+  m.impl("alias", TORCH_FN(at::native::alias));
+  m.impl("resize_", TORCH_FN(resize_));
+  m.impl("set_.source_Storage", TORCH_FN(set_storage));
+  m.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage_offset));
+  m.impl("set_.source_Tensor", TORCH_FN(set_tensor));
+  m.impl("set_", TORCH_FN(set_empty));
+  // copy_ directly: LibTorch 1.13's copy_ has no route to _copy_from for PrivateUse1.
+  m.impl("copy_", TORCH_FN(copy_));
+  m.impl("_copy_from", TORCH_FN(copy_from));
+  m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  m.impl("fill_.Scalar", TORCH_FN(fill_scalar));
+  m.impl("zero_", TORCH_FN(zero_));
+  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+}
+
+// A kernel of our own on PrivateUse1 removes LibTorch's composite one from AutogradPrivateUse1
+// too; the query has nothing to differentiate, so the same kernel serves both keys.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
+}
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+// An operator with both a CPU kernel and a composite one (CompositeExplicitAutograd, e.g.
+// native_layer_norm's math_native_layer_norm) would run the composite on fake tensors, since a
+// composite kernel takes precedence over a backend fallback: a different computation from the
+// CPU's, equal only to rounding. Sending such operators to the fallback by name makes the fake
+// device run the CPU's kernel, so results are bitwise the CPU's. View operators stay composite
+// (they alias fake storage); operators with a kernel of ours are left alone. Runs after the
+// registrations above (same translation unit, later definition) and after LibTorch's own
+// (loaded before this binary's initialisers).
+struct PreferCpuKernels {
+  PreferCpuKernels()
+      : lib(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__) {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0) continue;
+      const auto op = dispatcher.findOp(name);
+      if (!op.has_value() || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+        continue;
+      }
+      if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+          !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+        continue;
+      }
+      const auto& returns = op->schema().returns();
+      const bool view = std::any_of(returns.begin(), returns.end(), [](const c10::Argument& r) {
+        return r.alias_info() != nullptr && !r.alias_info()->isWrite();
+      });
+      if (view) continue;
+      std::string qualified = name.name.substr(6);
+      if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+      lib.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+      ++count;
+    }
+  }
+  torch::Library lib;
+  int count = 0;
+};
+PreferCpuKernels prefer_cpu_kernels;
+
+}  // namespace
