@@ -6,13 +6,19 @@
 // or a parameter must go through the control plane (comm/control_plane.h), on the
 // communicator's device, or the contract refuses it.
 //
-// The contract device is contract_device(): a device whose memory host code cannot read
-// when the build has one for tests, else the CPU (where the contract still refuses host
-// buffers wrapped with from_blob, non-NCCL dtypes and non-contiguous tensors).
+// The contract device is the fake accelerator (support/fake_device.h): its memory cannot be
+// read by host code (a host memcpy on it crashes), and the contract refuses CPU tensors on
+// it, so a control exchange left on the CPU or a host copy of device memory fails here as it
+// would with NCCL on a GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <fmt/format.h>
+
+#include <cstdio>
 #include <torch/optim/adamw.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <numeric>
 
@@ -26,6 +32,7 @@
 #include "strategy/fsdp_ranks.h"
 #include "strategy/training.h"
 #include "support/check.h"
+#include "support/fake_device.h"
 #include "support/nccl_contract.h"
 #include "support/ranks.h"
 #include "support/temp_dir.h"
@@ -35,7 +42,8 @@ namespace {
 
 using namespace dtrain::testing;
 
-c10::Device contract_device() { return c10::Device(c10::kCPU); }
+// The fake accelerator (support/fake_device.h): host code that touches its memory crashes.
+c10::Device contract_device() { return fake_device(); }
 
 // The contract communicator of every rank, and hybrid groups of `group_size` (none when 0)
 // held to the same contract.
@@ -44,22 +52,75 @@ struct ContractRank {
   CommunicatorPtr shard_group, replicate_group;
 };
 
-void run_contract(int world, int group_size, const std::function<void(ContractRank&)>& fn) {
-  auto store = make_memory_store();
-  const c10::Device device = contract_device();
-  run_threads(world, [&](int r) {
-    at::set_num_threads(1);
-    ContractRank rk;
-    rk.comm = make_nccl_contract_communicator(store, r, world, device);
-    if (group_size > 0) {
-      CommunicatorOptions o;
-      o.device = device;
-      HybridGroups g = make_hybrid_groups(store, r, world, group_size, o);
-      rk.shard_group = std::make_shared<NcclContractCommunicator>(g.shard_group);
-      rk.replicate_group = std::make_shared<NcclContractCommunicator>(g.replicate_group);
-    }
+// One rank of run_contract.
+void run_contract_rank(int r, int world, int group_size, const std::shared_ptr<Store>& store,
+                       c10::Device device, const std::function<void(ContractRank&)>& fn) {
+  CommunicatorOptions o;
+  o.timeout = std::chrono::seconds(30);  // a refused rank leaves its peers waiting this long
+  at::set_num_threads(1);
+  ContractRank rk;
+  rk.comm = make_nccl_contract_communicator(store, r, world, device, o);
+  if (group_size > 0) {
+    o.device = device;
+    HybridGroups g = make_hybrid_groups(store, r, world, group_size, o);
+    rk.shard_group = std::make_shared<NcclContractCommunicator>(g.shard_group);
+    rk.replicate_group = std::make_shared<NcclContractCommunicator>(g.replicate_group);
+  }
+  try {
     fn(rk);
-  });
+  } catch (const std::exception& e) {
+    // The first failure is rethrown, often a peer's consequence of this one: say each.
+    fprintf(stderr, "rank %d failed: %s\n", r, e.what());
+    throw;
+  }
+}
+
+constexpr const char* kRankEnv = "DTRAIN_CONTRACT_RANK";
+constexpr const char* kPortEnv = "DTRAIN_CONTRACT_PORT";
+
+// Runs fn on `world` ranks, each with a contract communicator for `device` (and hybrid
+// groups of `group_size`, none when 0). As threads of this process, or with `processes` as
+// copies of this test binary running this test, one rank each: LibTorch's autograd engine
+// runs the backward of a non-CPU device on one thread per device and process, so thread
+// ranks would share it, and FSDP's backward hooks, which wait for collectives of their
+// rank, would wait for each other on it (a real job has a process per rank). A test that
+// uses `processes` must call run_contract once: the copies run its whole body.
+void run_contract(int world, int group_size, const std::function<void(ContractRank&)>& fn,
+                  c10::Device device = contract_device(), bool processes = false) {
+  if (const char* rank = std::getenv(kRankEnv)) {  // a copy: this process is one rank
+    const int r = std::atoi(rank);
+    TcpStoreOptions so;
+    so.port = static_cast<uint16_t>(std::atoi(std::getenv(kPortEnv)));
+    so.is_server = r == 0;
+    run_contract_rank(r, world, group_size, make_tcp_store(so), device, fn);
+    return;
+  }
+  if (!processes) {
+    auto store = make_memory_store();
+    run_threads(world, [&](int r) { run_contract_rank(r, world, group_size, store, device, fn); });
+    return;
+  }
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string filter =
+      fmt::format("--gtest_filter={}.{}", info->test_suite_name(), info->name());
+  const int port = free_port();
+  std::vector<Process> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(spawn_process({self, filter},
+                                  {{kRankEnv, std::to_string(r)},
+                                   {kPortEnv, std::to_string(port)},
+                                   {"OMP_NUM_THREADS", "1"}}));
+  }
+  std::string failures;
+  for (int r = 0; r < world; ++r) {
+    const ProcessResult res = wait_process(ranks[r], 300);
+    if (res.exit_code != 0) {
+      failures += fmt::format("rank {} (exit {}, signal {}):\n{}\n", r, res.exit_code, res.signal,
+                              res.output.substr(res.output.size() > 3000 ? res.output.size() - 3000 : 0));
+    }
+  }
+  DTRAIN_CHECK(failures.empty(), "ranks failed:\n{}", failures);
 }
 
 // training.h's loop with the batch on `device`.
@@ -89,8 +150,7 @@ void expect_parameters_match(const torch::nn::Module& ref, const torch::nn::Modu
 
 // ---- the contract transport itself ----
 
-TEST(NcclContract, RefusesWhatNcclRefusesNamingTheCall) {
-  const c10::Device device = contract_device();
+void expect_contract_refusals(c10::Device device) {
   run_contract(2, 0, [&](ContractRank& rk) {
     Communicator& comm = *rk.comm;
     DTRAIN_CHECK(comm.device() == device, "device() {}", comm.device().str());
@@ -111,20 +171,37 @@ TEST(NcclContract, RefusesWhatNcclRefusesNamingTheCall) {
             "all_reduce]: NCCL contract: tensor: dtype Bool is not an NCCL dtype");
     refused([&] { comm.all_reduce(at::ones({4, 4}, on).t(), ReduceOp::kSum); },
             "not contiguous");
+    // Host memory labelled as the device's (what from_blob of a host vector gives).
     std::vector<int64_t> host = {1, 2, 3};
-    refused([&] { comm.broadcast(at::from_blob(host.data(), {3}, at::kLong), 0); },
+    refused(
+        [&] {
+          comm.broadcast(
+              at::for_blob(host.data(), {3}).options(on.dtype(at::kLong)).target_device(device).make_tensor(),
+              0);
+        },
             "from_blob");
     refused([&] { comm.all_gather(at::empty({4}, on), at::ones({2}, on.dtype(at::kComplexFloat))); },
             "all_gather]: NCCL contract: input: dtype ComplexFloat");
     if (!device.is_cpu()) {
       refused([&] { comm.all_reduce(at::ones({4}), ReduceOp::kSum); }, "tensor on cpu");
     }
-    // What obeys the contract goes through, on the device.
+    // What obeys the contract goes through, and stays on the device.
     at::Tensor t = at::full({3}, comm.rank() + 1.0, on);
     comm.all_reduce(t, ReduceOp::kSum)->wait();
     DTRAIN_CHECK(t.device() == device, "result moved to {}", t.device().str());
-    DTRAIN_CHECK(at::equal(t.to(at::kCPU), at::full({3}, 3.0)), "sum {}", t.to(at::kCPU).sum().item<double>());
-  });
+    DTRAIN_CHECK(at::equal(t.to(at::kCPU), at::full({3}, 3.0)), "sum {}",
+                 t.to(at::kCPU).sum().item<double>());
+  }, device);
+}
+
+TEST(NcclContract, RefusesWhatNcclRefusesNamingTheCall) {
+  expect_contract_refusals(contract_device());
+}
+
+// Configured for the CPU, the contract still refuses what NCCL would (wrapped host memory
+// included): the transport's own checks do not depend on the fake device.
+TEST(NcclContract, RefusesWhatNcclRefusesOnTheCpuToo) {
+  expect_contract_refusals(c10::Device(c10::kCPU));
 }
 
 TEST(NcclContract, ControlPlaneExchangesGoOnTheCommunicatorsDevice) {
@@ -267,7 +344,7 @@ TEST_P(ContractFsdp, MatchesSingleDeviceOnTheCpu) {
     auto state = fsdp.full_state_dict();
     for (auto& [name, t] : state) t = t.to(at::kCPU);
     if (r == 0) expect_state_matches(state, *ref, fc.rtol, fc.atol);
-  });
+  }, contract_device(), /*processes=*/true);
 }
 
 std::vector<ContractFsdpCase> fsdp_cases() {
@@ -313,6 +390,37 @@ INSTANTIATE_TEST_SUITE_P(Ranks, ContractFsdp,
                                   std::to_string(std::get<0>(info.param));
                          });
 
+// ---- FSDP's copy of the shard into the unit's buffer (no host memcpy on device memory) ----
+
+// With one rank (no shard group) FSDP copies each unit's fp32 shard into its compute-dtype
+// buffer instead of all-gathering it: on the device that copy must be an ATen copy (a host
+// memcpy of fake memory crashes), and it must not bump the parameters' version counters
+// (backward would refuse the saved views).
+TEST(ContractFlatParam, OneRankShardToFullCopyIsAnAtenCopy) {
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    at::set_num_threads(1);
+    Case c;
+    c.model = Model::kTransformer;
+    const auto data = make_data(c.model, 1);
+    auto ref = make_model(c.model, 7);
+    SingleDevice single(ref);
+    train(c, single, *ref, data, 0, kLocalBatch, nullptr);
+    run_contract(1, 0, [&](ContractRank& rk) {
+      auto m = make_model(c.model, 7);
+      m->to(contract_device());
+      FsdpOptions o;
+      o.wrap_policy = blocks_and_nested_up();
+      if (bf16) o.mixed_precision.param_dtype = at::kBFloat16;
+      FullyShardedDataParallel fsdp(m, rk.comm, o);
+      train_on(c, fsdp, *m, data, 0, kLocalBatch, &fsdp, contract_device());
+      auto state = fsdp.full_state_dict();
+      for (auto& [name, t] : state) t = t.to(at::kCPU);
+      expect_state_matches(state, *ref, bf16 ? 5e-2 : 1e-5, bf16 ? 2e-2 : 1e-6);
+    });
+  }
+}
+
 // ---- checkpoints ----
 
 // A checkpoint written by FSDP (or DDP) at one world size through the contract, loaded at
@@ -320,7 +428,6 @@ INSTANTIATE_TEST_SUITE_P(Ranks, ContractFsdp,
 // state as the writer's.
 void checkpoint_round_trip(CheckpointFormat format, const std::string& writer, int write_world,
                            int read_world) {
-  const auto data = make_data(Model::kTransformer, 4);
   TempDir dir("ckpt_contract");
   std::map<std::string, at::Tensor> saved;  // rank 0's full state dict after the save
   std::mutex mu;
@@ -347,20 +454,20 @@ void checkpoint_round_trip(CheckpointFormat format, const std::string& writer, i
     return std::make_unique<torch::optim::AdamW>(
         s.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-4));
   };
-  Case c;
-  c.model = Model::kTransformer;
   run_contract(write_world, 0, [&](ContractRank& rk) {
     const int r = rk.comm->rank();
     auto m = make_model(Model::kTransformer, 7);
     m->to(contract_device());
     auto s = make_strategy(writer, m, rk.comm);
     auto opt = opt_of(*s);
-    const int64_t rows = kLocalBatch * 4 / write_world;
+    // Two optimizer steps on made-up gradients (the same on every rank; AdamW state on the
+    // device). Not a backward: FSDP's backward needs a process per rank (run_contract), and
+    // the checkpoint only needs state to save.
     for (int step = 0; step < 2; ++step) {
-      opt->zero_grad();
-      at::Tensor x = data[step].x.narrow(0, r * rows, rows).to(contract_device());
-      at::Tensor y = data[step].y.narrow(0, r * rows, rows).to(contract_device());
-      s->backward(s->forward([&] { return loss_of(c.model, *m, x, y, false); }));
+      int k = 0;
+      for (auto& p : s->parameters()) {
+        p.mutable_grad() = at::full_like(p, 0.01 * (++k + step)).detach();
+      }
       opt->step();
     }
     TrainingState st;
@@ -440,53 +547,58 @@ TEST(ContractGradScaler, EveryRankSkipsWhatAnyRankFoundInfIn) {
 // of the scaled loss, unscale, clip_grad_norm (the global norm), the scaler's step and
 // update, then the metrics exchange (each rank's loss, gathered on the communicator's
 // device). The norm and the mean loss must equal single-device training's.
-TEST(ContractTrainerStep, GradNormAndMetricsMatchSingleDevice) {
-  for (const std::string kind : {"ddp", "fsdp"}) {
-    for (int world : {2, 4}) {
-      SCOPED_TRACE(kind + " x" + std::to_string(world));
-      const auto data = make_data(Model::kTransformer, world);
-      const int64_t rows = kLocalBatch;
-      auto ref = make_model(Model::kTransformer, 7);
-      SingleDevice single(ref);
-      const at::Tensor ref_loss = single.forward(
-          [&] { return loss_of(Model::kTransformer, *ref, data[0].x, data[0].y, false); });
-      single.backward(ref_loss);
-      const double ref_norm = single.clip_grad_norm(1e9);
-      run_contract(world, 0, [&](ContractRank& rk) {
-        const int r = rk.comm->rank();
-        auto m = make_model(Model::kTransformer, 7);
-        m->to(contract_device());
-        std::shared_ptr<Strategy> s;
-        if (kind == "ddp") {
-          s = std::make_shared<DataParallel>(m, rk.comm);
-        } else {
-          FsdpOptions o;
-          o.wrap_policy = blocks_and_nested_up();
-          s = std::make_shared<FullyShardedDataParallel>(m, rk.comm, o);
-        }
-        torch::optim::AdamW opt(s->parameters(), torch::optim::AdamWOptions(1e-3));
-        GradScaler scaler(rk.comm, GradScalerOptions{});
-        at::Tensor x = data[0].x.narrow(0, r * rows, rows).to(contract_device());
-        at::Tensor y = data[0].y.narrow(0, r * rows, rows).to(contract_device());
-        at::Tensor loss = s->forward([&] { return loss_of(Model::kTransformer, *m, x, y, false); });
-        s->backward(scaler.scale(loss));
-        scaler.unscale(opt);
-        const double norm = s->clip_grad_norm(1e9);
-        DTRAIN_CHECK(scaler.step(opt), "step skipped");
-        scaler.update();
-        // The trainer's metrics: every rank's loss, gathered where the communicator takes
-        // tensors.
-        const std::vector<double> losses =
-            ControlPlane(*rk.comm).all_gather(std::vector<double>{loss.item<double>()});
-        const double mean = std::accumulate(losses.begin(), losses.end(), 0.0) / world;
-        DTRAIN_CHECK(std::abs(mean - ref_loss.item<double>()) < 1e-5, "mean loss {} vs {}", mean,
-                     ref_loss.item<double>());
-        DTRAIN_CHECK(std::abs(norm - ref_norm) < 1e-4 * ref_norm, "grad norm {} vs {}", norm,
-                     ref_norm);
-      });
+class ContractTrainerStep : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(ContractTrainerStep, GradNormAndMetricsMatchSingleDevice) {
+  const std::string kind = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
+  at::set_num_threads(1);
+  const auto data = make_data(Model::kTransformer, world);
+  const int64_t rows = kLocalBatch;
+  auto ref = make_model(Model::kTransformer, 7);
+  SingleDevice single(ref);
+  const at::Tensor ref_loss = single.forward(
+      [&] { return loss_of(Model::kTransformer, *ref, data[0].x, data[0].y, false); });
+  single.backward(ref_loss);
+  const double ref_norm = single.clip_grad_norm(1e9);
+  run_contract(world, 0, [&](ContractRank& rk) {
+    const int r = rk.comm->rank();
+    auto m = make_model(Model::kTransformer, 7);
+    m->to(contract_device());
+    std::shared_ptr<Strategy> s;
+    if (kind == "ddp") {
+      s = std::make_shared<DataParallel>(m, rk.comm);
+    } else {
+      FsdpOptions o;
+      o.wrap_policy = blocks_and_nested_up();
+      s = std::make_shared<FullyShardedDataParallel>(m, rk.comm, o);
     }
-  }
+    torch::optim::AdamW opt(s->parameters(), torch::optim::AdamWOptions(1e-3));
+    GradScaler scaler(rk.comm, GradScalerOptions{});
+    at::Tensor x = data[0].x.narrow(0, r * rows, rows).to(contract_device());
+    at::Tensor y = data[0].y.narrow(0, r * rows, rows).to(contract_device());
+    at::Tensor loss = s->forward([&] { return loss_of(Model::kTransformer, *m, x, y, false); });
+    s->backward(scaler.scale(loss));
+    scaler.unscale(opt);
+    const double norm = s->clip_grad_norm(1e9);
+    DTRAIN_CHECK(scaler.step(opt), "step skipped");
+    scaler.update();
+    // The trainer's metrics: every rank's loss, gathered where the communicator takes tensors.
+    const std::vector<double> losses =
+        ControlPlane(*rk.comm).all_gather(std::vector<double>{loss.item<double>()});
+    const double mean = std::accumulate(losses.begin(), losses.end(), 0.0) / world;
+    DTRAIN_CHECK(std::abs(mean - ref_loss.item<double>()) < 1e-5, "mean loss {} vs {}", mean,
+                 ref_loss.item<double>());
+    DTRAIN_CHECK(std::abs(norm - ref_norm) < 1e-4 * ref_norm, "grad norm {} vs {}", norm, ref_norm);
+  }, contract_device(), /*processes=*/kind == "fsdp");
 }
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ContractTrainerStep,
+                         ::testing::Combine(::testing::Values("ddp", "fsdp"), ::testing::Values(2, 4)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace dtrain
