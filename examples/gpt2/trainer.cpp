@@ -262,8 +262,7 @@ double Trainer::validate() {
   }
   double mean = sum / static_cast<double>(std::max<int64_t>(n, 1));
   if (comm_ && info_.world_size > 1) {
-    at::Tensor t =
-        at::full({1}, mean, at::TensorOptions().dtype(at::kDouble)).to(comm_->device());
+    at::Tensor t = at::full({1}, mean, at::TensorOptions().dtype(at::kDouble)).to(comm_->device());
     comm_->all_reduce_sync(t, dtrain::ReduceOp::kAvg);
     mean = t.item<double>();
   }

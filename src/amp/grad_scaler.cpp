@@ -86,7 +86,8 @@ bool GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   at::Tensor found = sum.defined() ? at::isfinite(sum).logical_not().to(at::kFloat).reshape({1})
                                    : at::full({1}, 0.0f);
   // On the communicator's device, wherever the gradients are (or without any on this rank).
-  if (comm_ && comm_->world_size() > 1) found = ControlPlane(*comm_).all_reduce(found, ReduceOp::kMax);
+  if (comm_ && comm_->world_size() > 1)
+    found = ControlPlane(*comm_).all_reduce(found, ReduceOp::kMax);
   found_inf_ = found.item<float>() != 0.0f;
   stage_ = Stage::kUnscaled;
   return found_inf_;

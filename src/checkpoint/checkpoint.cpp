@@ -398,7 +398,8 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
           if (n == items.size() / 2) progress("mid_file");
           const ck::SafetensorsTensor& info = file_layout[n];
           // On the communicator's device: the pieces arrive there (the writer copies to host).
-          at::Tensor buf = at::empty({numel_of(info.shape)}, at::TensorOptions().dtype(info.dtype).device(ranks.device()));
+          at::Tensor buf = at::empty({numel_of(info.shape)},
+                                     at::TensorOptions().dtype(info.dtype).device(ranks.device()));
           // Each element must come from exactly one rank (a strategy bug otherwise).
           std::vector<std::pair<int64_t, int64_t>> got;
           for (int r = 0; r < ranks.world; ++r) {
@@ -689,7 +690,8 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
         steps[i] = st->second;
         for (const auto& kind : opt.kinds()) {
           // Host memory, which the reader fills; applied to the state's device below.
-          at::Tensor t = at::empty({s.end - s.begin}, at::TensorOptions().dtype(s.stepped.scalar_type()));
+          at::Tensor t =
+              at::empty({s.end - s.begin}, at::TensorOptions().dtype(s.stepped.scalar_type()));
           reader.read(optim_key(s.name, kind), s.begin, s.end, t);
           opt_state[i].push_back(t);
         }

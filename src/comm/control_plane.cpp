@@ -12,11 +12,17 @@ namespace {
 template <typename T>
 constexpr c10::ScalarType dtype_of();
 template <>
-constexpr c10::ScalarType dtype_of<int64_t>() { return at::kLong; }
+constexpr c10::ScalarType dtype_of<int64_t>() {
+  return at::kLong;
+}
 template <>
-constexpr c10::ScalarType dtype_of<double>() { return at::kDouble; }
+constexpr c10::ScalarType dtype_of<double>() {
+  return at::kDouble;
+}
 template <>
-constexpr c10::ScalarType dtype_of<uint8_t>() { return at::kByte; }
+constexpr c10::ScalarType dtype_of<uint8_t>() {
+  return at::kByte;
+}
 
 // A host tensor holding a copy of `values` (its own memory: the vector may go away).
 template <typename T>
@@ -83,7 +89,8 @@ std::vector<T> ControlPlane::broadcast(const std::vector<T>& values, int root) {
 std::vector<std::string> ControlPlane::all_gather_bytes(const std::string& mine) {
   const int world = world_size();
   if (world == 1) return {mine};
-  const std::vector<int64_t> lens = all_gather(std::vector<int64_t>{static_cast<int64_t>(mine.size())});
+  const std::vector<int64_t> lens =
+      all_gather(std::vector<int64_t>{static_cast<int64_t>(mine.size())});
   const int64_t max_len = *std::max_element(lens.begin(), lens.end());
   std::vector<uint8_t> padded(static_cast<size_t>(max_len), 0);
   std::copy(mine.begin(), mine.end(), padded.begin());

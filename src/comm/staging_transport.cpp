@@ -65,9 +65,8 @@ class StagingTransport final : public Transport {
     at::Tensor host_out = call.tensor;
     WorkPtr work = host_->start(std::move(call));
     if (!copy_back) return work;
-    return then(std::move(work), [pin = pinned(), out, host_out]() mutable {
-      copy_from_host(out, host_out, pin);
-    });
+    return then(std::move(work),
+                [pin = pinned(), out, host_out]() mutable { copy_from_host(out, host_out, pin); });
   }
 
   WorkPtr start(PointToPoint call) override {
@@ -80,9 +79,8 @@ class StagingTransport final : public Transport {
     if (call.is_send) return host_->start(std::move(call));
     at::Tensor host_out = call.tensor;
     WorkPtr work = host_->start(std::move(call));
-    return then(std::move(work), [pin = pinned(), out, host_out]() mutable {
-      copy_from_host(out, host_out, pin);
-    });
+    return then(std::move(work),
+                [pin = pinned(), out, host_out]() mutable { copy_from_host(out, host_out, pin); });
   }
 
  private:

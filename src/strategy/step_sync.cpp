@@ -96,9 +96,7 @@ void StepSync::start_step(const char* op) {
         op, "ranks out of step",
         std::make_exception_ptr(Error(fmt::format(
             "{} started step {} while {} reached {}", ranks_text(with), step_,
-            ranks_text(elsewhere),
-            point_name(table(elsewhere[0], 0),
-                       table(elsewhere[0], 1)))))));
+            ranks_text(elsewhere), point_name(table(elsewhere[0], 0), table(elsewhere[0], 1)))))));
   }
   if (!without.empty()) {
     throw InvalidArgument(ctx(op), fmt::format("{} had no batch at step {} while {} did",
@@ -112,8 +110,7 @@ void StepSync::finish() {
   const Table table = exchange(Point::kFinish, "finish", false);
   std::vector<int> with, without;
   for (int r = 0; r < table.rows(); ++r) {
-    (table(r, 0) == static_cast<int64_t>(Point::kFinish) ? without : with)
-        .push_back(r);
+    (table(r, 0) == static_cast<int64_t>(Point::kFinish) ? without : with).push_back(r);
   }
   --step_;  // finish() is not a step: a later forward() starts this one
   if (!with.empty()) {
@@ -128,8 +125,7 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
   const int world = static_cast<int>(table.rows());
   std::vector<int> failed, elsewhere;
   for (int r = 0; r < world; ++r) {
-    if (table(r, 0) != static_cast<int64_t>(point) ||
-        table(r, 1) != step_) {
+    if (table(r, 0) != static_cast<int64_t>(point) || table(r, 1) != step_) {
       elsewhere.push_back(r);
     }
     if (table(r, 2) != 0) failed.push_back(r);
@@ -139,8 +135,7 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
                       std::make_exception_ptr(Error(fmt::format(
                           "rank {} reached {} while {} reached {}", comm_->rank(),
                           point_name(static_cast<int64_t>(point), step_), ranks_text(elsewhere),
-                          point_name(table(elsewhere[0], 0),
-                                     table(elsewhere[0], 1))))));
+                          point_name(table(elsewhere[0], 0), table(elsewhere[0], 1))))));
   }
   if (failed.empty()) return nullptr;
   // Every rank learns the first failing rank's message: one more exchange, on failure only.
@@ -158,10 +153,11 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
   if (local) return local;
   const int first = failed.front();
   return std::make_exception_ptr(StepError(
-      ctx(op), fmt::format("step {} failed on {}: {}; the step was dropped on every rank and the "
-                           "strategy is ready for the next one",
-                           step_, ranks_text(failed),
-                           reinterpret_cast<const char*>(messages.data()) + first * kMessageBytes)));
+      ctx(op),
+      fmt::format("step {} failed on {}: {}; the step was dropped on every rank and the "
+                  "strategy is ready for the next one",
+                  step_, ranks_text(failed),
+                  reinterpret_cast<const char*>(messages.data()) + first * kMessageBytes)));
 }
 
 }  // namespace dtrain

@@ -11,11 +11,11 @@
 // it, so a control exchange left on the CPU or a host copy of device memory fails here as it
 // would with NCCL on a GPU.
 #include <ATen/ATen.h>
-#include <gtest/gtest.h>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
-#include <cstdio>
 #include <torch/optim/adamw.h>
+#include <cstdio>
 
 #include <cstdlib>
 #include <filesystem>
@@ -107,17 +107,17 @@ void run_contract(int world, int group_size, const std::function<void(ContractRa
   const int port = free_port();
   std::vector<Process> ranks;
   for (int r = 0; r < world; ++r) {
-    ranks.push_back(spawn_process({self, filter},
-                                  {{kRankEnv, std::to_string(r)},
-                                   {kPortEnv, std::to_string(port)},
-                                   {"OMP_NUM_THREADS", "1"}}));
+    ranks.push_back(spawn_process({self, filter}, {{kRankEnv, std::to_string(r)},
+                                                   {kPortEnv, std::to_string(port)},
+                                                   {"OMP_NUM_THREADS", "1"}}));
   }
   std::string failures;
   for (int r = 0; r < world; ++r) {
     const ProcessResult res = wait_process(ranks[r], 300);
     if (res.exit_code != 0) {
-      failures += fmt::format("rank {} (exit {}, signal {}):\n{}\n", r, res.exit_code, res.signal,
-                              res.output.substr(res.output.size() > 3000 ? res.output.size() - 3000 : 0));
+      failures +=
+          fmt::format("rank {} (exit {}, signal {}):\n{}\n", r, res.exit_code, res.signal,
+                      res.output.substr(res.output.size() > 3000 ? res.output.size() - 3000 : 0));
     }
   }
   DTRAIN_CHECK(failures.empty(), "ranks failed:\n{}", failures);
@@ -151,47 +151,58 @@ void expect_parameters_match(const torch::nn::Module& ref, const torch::nn::Modu
 // ---- the contract transport itself ----
 
 void expect_contract_refusals(c10::Device device) {
-  run_contract(2, 0, [&](ContractRank& rk) {
-    Communicator& comm = *rk.comm;
-    DTRAIN_CHECK(comm.device() == device, "device() {}", comm.device().str());
-    auto on = at::TensorOptions().device(device);
-    auto refused = [&](const std::function<void()>& call, const std::string& needle) {
-      try {
-        call();
-      } catch (const InvalidArgument& e) {
-        const std::string what = e.what();
-        DTRAIN_CHECK(what.find("NCCL contract") != std::string::npos &&
-                         what.find(needle) != std::string::npos,
-                     "message '{}' lacks '{}'", what, needle);
-        return;
-      }
-      throw std::runtime_error("not refused: " + needle);
-    };
-    refused([&] { comm.all_reduce(at::ones({4}, on.dtype(at::kBool)), ReduceOp::kMax); },
-            "all_reduce]: NCCL contract: tensor: dtype Bool is not an NCCL dtype");
-    refused([&] { comm.all_reduce(at::ones({4, 4}, on).t(), ReduceOp::kSum); },
+  run_contract(
+      2, 0,
+      [&](ContractRank& rk) {
+        Communicator& comm = *rk.comm;
+        DTRAIN_CHECK(comm.device() == device, "device() {}", comm.device().str());
+        auto on = at::TensorOptions().device(device);
+        auto refused = [&](const std::function<void()>& call, const std::string& needle) {
+          try {
+            call();
+          } catch (const InvalidArgument& e) {
+            const std::string what = e.what();
+            DTRAIN_CHECK(what.find("NCCL contract") != std::string::npos &&
+                             what.find(needle) != std::string::npos,
+                         "message '{}' lacks '{}'", what, needle);
+            return;
+          }
+          throw std::runtime_error("not refused: " + needle);
+        };
+        refused([&] { comm.all_reduce(at::ones({4}, on.dtype(at::kBool)), ReduceOp::kMax); },
+                "all_reduce]: NCCL contract: tensor: dtype Bool is not an NCCL dtype");
+        refused(
+            [&] {
+              comm.all_reduce(at::ones({4, 4}, on).t(), ReduceOp::kSum);
+            },
             "not contiguous");
-    // Host memory labelled as the device's (what from_blob of a host vector gives).
-    std::vector<int64_t> host = {1, 2, 3};
-    refused(
-        [&] {
-          comm.broadcast(
-              at::for_blob(host.data(), {3}).options(on.dtype(at::kLong)).target_device(device).make_tensor(),
-              0);
-        },
+        // Host memory labelled as the device's (what from_blob of a host vector gives).
+        std::vector<int64_t> host = {1, 2, 3};
+        refused(
+            [&] {
+              comm.broadcast(at::for_blob(host.data(), {3})
+                                 .options(on.dtype(at::kLong))
+                                 .target_device(device)
+                                 .make_tensor(),
+                             0);
+            },
             "from_blob");
-    refused([&] { comm.all_gather(at::empty({4}, on), at::ones({2}, on.dtype(at::kComplexFloat))); },
+        refused(
+            [&] {
+              comm.all_gather(at::empty({4}, on), at::ones({2}, on.dtype(at::kComplexFloat)));
+            },
             "all_gather]: NCCL contract: input: dtype ComplexFloat");
-    if (!device.is_cpu()) {
-      refused([&] { comm.all_reduce(at::ones({4}), ReduceOp::kSum); }, "tensor on cpu");
-    }
-    // What obeys the contract goes through, and stays on the device.
-    at::Tensor t = at::full({3}, comm.rank() + 1.0, on);
-    comm.all_reduce(t, ReduceOp::kSum)->wait();
-    DTRAIN_CHECK(t.device() == device, "result moved to {}", t.device().str());
-    DTRAIN_CHECK(at::equal(t.to(at::kCPU), at::full({3}, 3.0)), "sum {}",
-                 t.to(at::kCPU).sum().item<double>());
-  }, device);
+        if (!device.is_cpu()) {
+          refused([&] { comm.all_reduce(at::ones({4}), ReduceOp::kSum); }, "tensor on cpu");
+        }
+        // What obeys the contract goes through, and stays on the device.
+        at::Tensor t = at::full({3}, comm.rank() + 1.0, on);
+        comm.all_reduce(t, ReduceOp::kSum)->wait();
+        DTRAIN_CHECK(t.device() == device, "result moved to {}", t.device().str());
+        DTRAIN_CHECK(at::equal(t.to(at::kCPU), at::full({3}, 3.0)), "sum {}",
+                     t.to(at::kCPU).sum().item<double>());
+      },
+      device);
 }
 
 TEST(NcclContract, RefusesWhatNcclRefusesNamingTheCall) {
@@ -292,7 +303,8 @@ std::vector<Case> ddp_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ContractDataParallel,
-                         ::testing::Combine(::testing::Values(2, 4), ::testing::ValuesIn(ddp_cases())),
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::ValuesIn(ddp_cases())),
                          [](const auto& info) {
                            return std::get<1>(info.param).name + "_world" +
                                   std::to_string(std::get<0>(info.param));
@@ -331,20 +343,24 @@ TEST_P(ContractFsdp, MatchesSingleDeviceOnTheCpu) {
     modules.back()->to(contract_device());
   }
   const bool hybrid = fc.sharding == ShardingStrategy::kHybridShard;
-  run_contract(world, hybrid ? world / 2 : 0, [&](ContractRank& rk) {
-    const int r = rk.comm->rank();
-    FsdpOptions o;
-    o.sharding = fc.sharding;
-    o.wrap_policy = blocks_and_nested_up();
-    o.mixed_precision.param_dtype = fc.param_dtype;
-    o.shard_group = rk.shard_group;
-    o.replicate_group = rk.replicate_group;
-    FullyShardedDataParallel fsdp(modules[r], rk.comm, o);
-    train_on(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, &fsdp, contract_device());
-    auto state = fsdp.full_state_dict();
-    for (auto& [name, t] : state) t = t.to(at::kCPU);
-    if (r == 0) expect_state_matches(state, *ref, fc.rtol, fc.atol);
-  }, contract_device(), /*processes=*/true);
+  run_contract(
+      world, hybrid ? world / 2 : 0,
+      [&](ContractRank& rk) {
+        const int r = rk.comm->rank();
+        FsdpOptions o;
+        o.sharding = fc.sharding;
+        o.wrap_policy = blocks_and_nested_up();
+        o.mixed_precision.param_dtype = fc.param_dtype;
+        o.shard_group = rk.shard_group;
+        o.replicate_group = rk.replicate_group;
+        FullyShardedDataParallel fsdp(modules[r], rk.comm, o);
+        train_on(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, &fsdp,
+                 contract_device());
+        auto state = fsdp.full_state_dict();
+        for (auto& [name, t] : state) t = t.to(at::kCPU);
+        if (r == 0) expect_state_matches(state, *ref, fc.rtol, fc.atol);
+      },
+      contract_device(), /*processes=*/true);
 }
 
 std::vector<ContractFsdpCase> fsdp_cases() {
@@ -356,9 +372,11 @@ std::vector<ContractFsdpCase> fsdp_cases() {
   };
   return {
       make("full_shard", [](ContractFsdpCase&) {}),
-      make("shard_grad_op", [](ContractFsdpCase& c) { c.sharding = ShardingStrategy::kShardGradOp; }),
+      make("shard_grad_op",
+           [](ContractFsdpCase& c) { c.sharding = ShardingStrategy::kShardGradOp; }),
       make("no_shard", [](ContractFsdpCase& c) { c.sharding = ShardingStrategy::kNoShard; }),
-      make("hybrid_shard", [](ContractFsdpCase& c) { c.sharding = ShardingStrategy::kHybridShard; }),
+      make("hybrid_shard",
+           [](ContractFsdpCase& c) { c.sharding = ShardingStrategy::kHybridShard; }),
       make("full_shard_accumulation", [](ContractFsdpCase& c) { c.accumulate = true; }),
       make("no_shard_accumulation",
            [](ContractFsdpCase& c) {
@@ -384,7 +402,8 @@ std::vector<ContractFsdpCase> fsdp_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ContractFsdp,
-                         ::testing::Combine(::testing::Values(2, 4), ::testing::ValuesIn(fsdp_cases())),
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::ValuesIn(fsdp_cases())),
                          [](const auto& info) {
                            return std::get<1>(info.param).name + "_world" +
                                   std::to_string(std::get<0>(info.param));
@@ -406,18 +425,21 @@ void one_rank_shard_to_full(bool bf16) {
   auto ref = make_model(c.model, 7);
   SingleDevice single(ref);
   train(c, single, *ref, data, 0, kLocalBatch, nullptr);
-  run_contract(1, 0, [&](ContractRank& rk) {
-    auto m = make_model(c.model, 7);
-    m->to(contract_device());
-    FsdpOptions o;
-    o.wrap_policy = blocks_and_nested_up();
-    if (bf16) o.mixed_precision.param_dtype = at::kBFloat16;
-    FullyShardedDataParallel fsdp(m, rk.comm, o);
-    train_on(c, fsdp, *m, data, 0, kLocalBatch, &fsdp, contract_device());
-    auto state = fsdp.full_state_dict();
-    for (auto& [name, t] : state) t = t.to(at::kCPU);
-    expect_state_matches(state, *ref, bf16 ? 5e-2 : 1e-5, bf16 ? 2e-2 : 1e-6);
-  }, contract_device(), /*processes=*/true);
+  run_contract(
+      1, 0,
+      [&](ContractRank& rk) {
+        auto m = make_model(c.model, 7);
+        m->to(contract_device());
+        FsdpOptions o;
+        o.wrap_policy = blocks_and_nested_up();
+        if (bf16) o.mixed_precision.param_dtype = at::kBFloat16;
+        FullyShardedDataParallel fsdp(m, rk.comm, o);
+        train_on(c, fsdp, *m, data, 0, kLocalBatch, &fsdp, contract_device());
+        auto state = fsdp.full_state_dict();
+        for (auto& [name, t] : state) t = t.to(at::kCPU);
+        expect_state_matches(state, *ref, bf16 ? 5e-2 : 1e-5, bf16 ? 2e-2 : 1e-6);
+      },
+      contract_device(), /*processes=*/true);
 }
 
 TEST(ContractFlatParam, OneRankShardToFullCopyIsAnAtenCopyFp32) { one_rank_shard_to_full(false); }
@@ -512,7 +534,9 @@ TEST(ContractCheckpoint, FullFsdp2ToFsdp4) {
 TEST(ContractCheckpoint, ShardedFsdp4ToFsdp2) {
   checkpoint_round_trip(CheckpointFormat::kSharded, "fsdp", 4, 2);
 }
-TEST(ContractCheckpoint, FullDdp2ToFsdp4) { checkpoint_round_trip(CheckpointFormat::kFull, "ddp", 2, 4); }
+TEST(ContractCheckpoint, FullDdp2ToFsdp4) {
+  checkpoint_round_trip(CheckpointFormat::kFull, "ddp", 2, 4);
+}
 TEST(ContractCheckpoint, ShardedDdp4ToFsdp2) {
   checkpoint_round_trip(CheckpointFormat::kSharded, "ddp", 4, 2);
 }
@@ -525,10 +549,13 @@ TEST(ContractGradScaler, EveryRankSkipsWhatAnyRankFoundInfIn) {
   for (int world : {2, 4}) {
     run_contract(world, 0, [&](ContractRank& rk) {
       const int r = rk.comm->rank();
-      at::Tensor p = at::zeros({3}, at::TensorOptions().device(contract_device()).requires_grad(true));
+      at::Tensor p =
+          at::zeros({3}, at::TensorOptions().device(contract_device()).requires_grad(true));
       torch::optim::AdamW opt({p});
       GradScaler scaler(rk.comm);
-      if (r == 0) p.mutable_grad() = at::full({3}, std::numeric_limits<float>::infinity()).to(contract_device());
+      if (r == 0)
+        p.mutable_grad() =
+            at::full({3}, std::numeric_limits<float>::infinity()).to(contract_device());
       if (r == 1) p.mutable_grad() = at::ones({3}).to(contract_device());
       // Ranks above 1 have no gradient at all.
       const bool stepped = scaler.step(opt);
@@ -569,39 +596,44 @@ TEST_P(ContractTrainerStep, GradNormAndMetricsMatchSingleDevice) {
     modules.push_back(make_model(Model::kTransformer, r == 0 ? 7 : 100 + r));
     modules.back()->to(contract_device());
   }
-  run_contract(world, 0, [&](ContractRank& rk) {
-    const int r = rk.comm->rank();
-    auto m = modules[r];
-    std::shared_ptr<Strategy> s;
-    if (kind == "ddp") {
-      s = std::make_shared<DataParallel>(m, rk.comm);
-    } else {
-      FsdpOptions o;
-      o.wrap_policy = blocks_and_nested_up();
-      s = std::make_shared<FullyShardedDataParallel>(m, rk.comm, o);
-    }
-    torch::optim::AdamW opt(s->parameters(), torch::optim::AdamWOptions(1e-3));
-    GradScaler scaler(rk.comm, GradScalerOptions{});
-    at::Tensor x = data[0].x.narrow(0, r * rows, rows).to(contract_device());
-    at::Tensor y = data[0].y.narrow(0, r * rows, rows).to(contract_device());
-    at::Tensor loss = s->forward([&] { return loss_of(Model::kTransformer, *m, x, y, false); });
-    s->backward(scaler.scale(loss));
-    scaler.unscale(opt);
-    const double norm = s->clip_grad_norm(1e9);
-    DTRAIN_CHECK(scaler.step(opt), "step skipped");
-    scaler.update();
-    // The trainer's metrics: every rank's loss, gathered where the communicator takes tensors.
-    const std::vector<double> losses =
-        ControlPlane(*rk.comm).all_gather(std::vector<double>{loss.item<double>()});
-    const double mean = std::accumulate(losses.begin(), losses.end(), 0.0) / world;
-    DTRAIN_CHECK(std::abs(mean - ref_loss.item<double>()) < 1e-5, "mean loss {} vs {}", mean,
-                 ref_loss.item<double>());
-    DTRAIN_CHECK(std::abs(norm - ref_norm) < 1e-4 * ref_norm, "grad norm {} vs {}", norm, ref_norm);
-  }, contract_device(), /*processes=*/kind == "fsdp");
+  run_contract(
+      world, 0,
+      [&](ContractRank& rk) {
+        const int r = rk.comm->rank();
+        auto m = modules[r];
+        std::shared_ptr<Strategy> s;
+        if (kind == "ddp") {
+          s = std::make_shared<DataParallel>(m, rk.comm);
+        } else {
+          FsdpOptions o;
+          o.wrap_policy = blocks_and_nested_up();
+          s = std::make_shared<FullyShardedDataParallel>(m, rk.comm, o);
+        }
+        torch::optim::AdamW opt(s->parameters(), torch::optim::AdamWOptions(1e-3));
+        GradScaler scaler(rk.comm, GradScalerOptions{});
+        at::Tensor x = data[0].x.narrow(0, r * rows, rows).to(contract_device());
+        at::Tensor y = data[0].y.narrow(0, r * rows, rows).to(contract_device());
+        at::Tensor loss = s->forward([&] { return loss_of(Model::kTransformer, *m, x, y, false); });
+        s->backward(scaler.scale(loss));
+        scaler.unscale(opt);
+        const double norm = s->clip_grad_norm(1e9);
+        DTRAIN_CHECK(scaler.step(opt), "step skipped");
+        scaler.update();
+        // The trainer's metrics: every rank's loss, gathered where the communicator takes tensors.
+        const std::vector<double> losses =
+            ControlPlane(*rk.comm).all_gather(std::vector<double>{loss.item<double>()});
+        const double mean = std::accumulate(losses.begin(), losses.end(), 0.0) / world;
+        DTRAIN_CHECK(std::abs(mean - ref_loss.item<double>()) < 1e-5, "mean loss {} vs {}", mean,
+                     ref_loss.item<double>());
+        DTRAIN_CHECK(std::abs(norm - ref_norm) < 1e-4 * ref_norm, "grad norm {} vs {}", norm,
+                     ref_norm);
+      },
+      contract_device(), /*processes=*/kind == "fsdp");
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ContractTrainerStep,
-                         ::testing::Combine(::testing::Values("ddp", "fsdp"), ::testing::Values(2, 4)),
+                         ::testing::Combine(::testing::Values("ddp", "fsdp"),
+                                            ::testing::Values(2, 4)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_world" +
                                   std::to_string(std::get<1>(info.param));
