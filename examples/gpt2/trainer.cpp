@@ -232,7 +232,9 @@ void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
   std::vector<double> all = mine;
   if (comm_ && world > 1) {
     const auto n = static_cast<int64_t>(mine.size());
-    at::Tensor in = at::tensor(mine, at::TensorOptions().dtype(at::kDouble)).to(device_);
+    // Control values go on the communicator's device (the model's may differ, e.g. CUDA
+    // under a CPU Gloo communicator).
+    at::Tensor in = at::tensor(mine, at::TensorOptions().dtype(at::kDouble)).to(comm_->device());
     at::Tensor out = at::empty({world * n}, in.options());
     comm_->all_gather_sync(out, in);
     out = out.cpu();
@@ -265,7 +267,7 @@ double Trainer::validate() {
   }
   double mean = sum / static_cast<double>(std::max<int64_t>(n, 1));
   if (comm_ && info_.world_size > 1) {
-    at::Tensor t = at::full({1}, mean, at::TensorOptions().dtype(at::kDouble)).to(device_);
+    at::Tensor t = at::full({1}, mean, at::TensorOptions().dtype(at::kDouble)).to(comm_->device());
     comm_->all_reduce_sync(t, dtrain::ReduceOp::kAvg);
     mean = t.item<double>();
   }

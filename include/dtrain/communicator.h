@@ -17,8 +17,9 @@
 //    however, and may differ between ranks: racing calls that differ are refused with
 //    DesyncError, racing calls that look alike (same op, dtype, size) may be paired with
 //    each other's data. Issue collectives from one thread, or order the threads yourself.
-//  * Tensors must be dense and contiguous, on the backend's device (CPU for Gloo, CUDA
-//    for NCCL). Violations throw dtrain::InvalidArgument synchronously.
+//  * Tensors must be dense and contiguous, on the communicator's device (device(): CPU for
+//    Gloo unless CommunicatorOptions::device says otherwise, the rank's CUDA device for
+//    NCCL). Violations throw dtrain::InvalidArgument synchronously.
 //  * Every call is bounded by a timeout (CommunicatorOptions::timeout unless the call's
 //    options override it). A timeout or a transport failure throws from Work::wait() and
 //    breaks the communicator: every later call fails with the first error as cause.
@@ -110,6 +111,15 @@ struct CommunicatorOptions {
   // LaunchInfo::communicator_options / init_communicator, which apply the device contract
   // (LaunchInfo::cuda_device: LOCAL_RANK, or 0 when CUDA_VISIBLE_DEVICES shows one device).
   int device_index = -1;
+  // Gloo (every transport): the device whose tensors the communicator accepts. CPU, the
+  // default: Gloo moves the tensors' own memory. Another device (e.g. cuda:0, which several
+  // ranks may share): each call stages its tensors through host memory: a copy to the host
+  // on the caller's thread (on CUDA into pinned memory, ordered after the caller's current
+  // stream and synchronized before Gloo reads it), the collective on the host, and the
+  // result copied back to the device when Work::wait() returns (on CUDA on the waiting
+  // thread's current stream). A device LibTorch cannot allocate on throws InvalidArgument.
+  // NCCL ignores it (device_index chooses).
+  c10::Device device = c10::Device(c10::kCPU);
   // Key prefix in the store; two communicators on one store need different names.
   std::string name = "default";
   // How much of each collective ranks compare before moving data. Ranks may differ: the
@@ -127,6 +137,11 @@ class Communicator {
   // The data path collectives take: "gloo", "shared_memory", "hierarchical" (shared memory
   // inside hosts, Gloo between) or "nccl".
   virtual const char* transport_name() const = 0;
+  // The device whose tensors this communicator accepts (see the contract above): CPU for
+  // Gloo unless configured otherwise (CommunicatorOptions::device), the rank's CUDA device
+  // for NCCL. Exchanges that are not gradients or parameters (agreements, flags, metrics)
+  // put their tensors here too, so that one communicator carries every exchange.
+  virtual c10::Device device() const = 0;
 
   // Replaces `tensor` on every rank by the element-wise reduction over ranks.
   // kAvg requires a floating dtype.

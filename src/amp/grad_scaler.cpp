@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/control_plane.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
@@ -84,7 +85,9 @@ bool GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   }
   at::Tensor found = sum.defined() ? at::isfinite(sum).logical_not().to(at::kFloat).reshape({1})
                                    : at::full({1}, 0.0f);
-  if (comm_ && comm_->world_size() > 1) comm_->all_reduce_sync(found, ReduceOp::kMax);
+  // On the communicator's device, wherever the gradients are (or without any on this rank).
+  if (comm_ && comm_->world_size() > 1)
+    found = ControlPlane(*comm_).all_reduce(found, ReduceOp::kMax);
   found_inf_ = found.item<float>() != 0.0f;
   stage_ = Stage::kUnscaled;
   return found_inf_;

@@ -33,6 +33,7 @@
 #include "checkpoint/json.h"
 #include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
+#include "comm/control_plane.h"
 #include "compat/torch_compat.h"
 #include "dtrain/errors.h"
 
@@ -206,6 +207,8 @@ struct Ranks {
     }
   }
   bool many() const { return world > 1; }
+  // Where the communicator takes tensors (the CPU without one).
+  c10::Device device() const { return comm != nullptr ? comm->device() : c10::Device(c10::kCPU); }
   ErrorContext ctx(const char* op) const { return ErrorContext{rank, world, op, -1}; }
 
   // Runs fn on every rank; if it failed anywhere, every rank throws (the local error where
@@ -219,9 +222,9 @@ struct Ranks {
       error = std::current_exception();
     }
     if (many()) {
-      at::Tensor flag = at::full({1}, error ? int64_t{1} : int64_t{0}, at::kLong);
-      comm->all_reduce(flag, ReduceOp::kMax)->wait();
-      if (!error && flag.item<int64_t>() != 0) {
+      const int64_t failed =
+          ControlPlane(*comm).all_reduce_value(error ? int64_t{1} : int64_t{0}, ReduceOp::kMax);
+      if (!error && failed != 0) {
         throw CheckpointError(ctx(what), "another rank failed (see its error)");
       }
     }
@@ -270,9 +273,9 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
   // This rank's optimizer state per slice, and the ranks' agreement on which tensors have
   // state and their step counts (a rank whose shard never got a gradient has none).
   std::vector<SliceState> local(T);
-  at::Tensor agree = at::zeros({2 * static_cast<int64_t>(T)}, at::kLong);
+  std::vector<int64_t> agree(2 * T, 0);
   if (opt.active()) {
-    auto* a = agree.data_ptr<int64_t>();
+    auto& a = agree;
     for (size_t i = 0; i < T; ++i) {
       const StateSlice& s = layout.slices[i];
       if (!s.stepped.defined()) continue;
@@ -285,9 +288,9 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
             t.detach().reshape({-1}).narrow(0, s.stepped_offset, s.end - s.begin));
       }
     }
-    if (ranks.many()) ranks.comm->all_reduce(agree, ReduceOp::kMax)->wait();
+    if (ranks.many()) agree = ControlPlane(*ranks.comm).all_reduce(agree, ReduceOp::kMax);
   }
-  const auto* agreed_state = agree.data_ptr<int64_t>();
+  const std::vector<int64_t>& agreed_state = agree;
   auto has_state = [&](size_t i) { return agreed_state[2 * i] != 0; };
   // The pieces this rank writes, in one order on every rank: (slice, kind or -1 for data).
   auto piece_data = [&](size_t i, int k) -> at::Tensor {
@@ -367,13 +370,8 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
         mine.push_back(wb);
         mine.push_back(we);
       }
-      at::Tensor ranges = at::tensor(mine, at::kLong);
-      if (ranks.many()) {
-        at::Tensor all = at::empty({ranks.world * ranges.numel()}, at::kLong);
-        ranks.comm->all_gather(all, ranges)->wait();
-        ranges = all;
-      }
-      const auto* rg = ranges.data_ptr<int64_t>();
+      const std::vector<int64_t> rg =
+          ranks.many() ? ControlPlane(*ranks.comm).all_gather(mine) : mine;
       auto range_of = [&](int r, size_t i) {
         return std::make_pair(rg[r * 2 * T + 2 * i], rg[r * 2 * T + 2 * i + 1]);
       };
@@ -395,7 +393,9 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
           const auto [i, k] = items[n];
           if (n == items.size() / 2) progress("mid_file");
           const ck::SafetensorsTensor& info = file_layout[n];
-          at::Tensor buf = at::empty({numel_of(info.shape)}, at::TensorOptions().dtype(info.dtype));
+          // On the communicator's device: the pieces arrive there (the writer copies to host).
+          at::Tensor buf = at::empty({numel_of(info.shape)},
+                                     at::TensorOptions().dtype(info.dtype).device(ranks.device()));
           // Each element must come from exactly one rank (a strategy bug otherwise).
           std::vector<std::pair<int64_t, int64_t>> got;
           for (int r = 0; r < ranks.world; ++r) {
@@ -427,7 +427,7 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
       } else {
         for (const auto& [i, k] : items) {
           at::Tensor t = piece_data(i, k).contiguous();
-          if (t.numel() > 0) ranks.comm->send(t, 0, kTag)->wait();
+          if (t.numel() > 0) ranks.comm->send(t.to(ranks.device()), 0, kTag)->wait();
         }
       }
     }
@@ -684,7 +684,9 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
         if (!opt.active() || !s.stepped.defined() || st == step_of.end()) continue;
         steps[i] = st->second;
         for (const auto& kind : opt.kinds()) {
-          at::Tensor t = at::empty({s.end - s.begin}, s.stepped.options().requires_grad(false));
+          // Host memory, which the reader fills; applied to the state's device below.
+          at::Tensor t =
+              at::empty({s.end - s.begin}, at::TensorOptions().dtype(s.stepped.scalar_type()));
           reader.read(optim_key(s.name, kind), s.begin, s.end, t);
           opt_state[i].push_back(t);
         }

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/control_plane.h"
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
@@ -92,23 +93,11 @@ RngStates capture(const Generators& generators) {
 std::vector<RngStates> gather_rng_states(Communicator* comm, const RngStates& mine) {
   const std::string bytes = pack(mine);
   if (comm == nullptr || comm->world_size() == 1) return {mine};
-  // Ranks may see different numbers of GPUs: lengths first, then every rank's bytes padded
-  // to the longest.
-  const int world = comm->world_size();
-  at::Tensor len = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-  at::Tensor lens = at::empty({world}, at::kLong);
-  comm->all_gather(lens, len)->wait();
-  const int64_t longest = lens.max().item<int64_t>();
-  at::Tensor padded = at::zeros({longest}, at::kByte);
-  std::memcpy(padded.data_ptr(), bytes.data(), bytes.size());
-  at::Tensor all = at::empty({longest * world}, at::kByte);
-  comm->all_gather(all, padded)->wait();
+  // Ranks may see different numbers of GPUs: the control plane gathers bytes of any length.
+  const std::vector<std::string> all = ControlPlane(*comm).all_gather_bytes(bytes);
   if (comm->rank() != 0) return {};
   std::vector<RngStates> out;
-  for (int r = 0; r < world; ++r) {
-    out.push_back(unpack(static_cast<const char*>(all.data_ptr()) + r * longest,
-                         static_cast<size_t>(lens[r].item<int64_t>())));
-  }
+  for (const std::string& b : all) out.push_back(unpack(b.data(), b.size()));
   return out;
 }
 

@@ -4,6 +4,7 @@
 
 #include "comm/front_end.h"
 #include "comm/shm/setup.h"
+#include "comm/staging_transport.h"
 #include "dtrain/config.h"
 #include "dtrain/errors.h"
 #if DTRAIN_HAS_NCCL
@@ -90,6 +91,11 @@ CommunicatorPtr make_communicator(std::shared_ptr<Store> store, int rank, int wo
     case Backend::kGloo:
       // Gloo's TCP pairs or shared memory (which also needs Gloo, for send/recv).
       transport = shm::make_host_transport(store, rank, world_size, options, failure);
+      // Tensors of another device go through host memory.
+      if (!options.device.is_cpu()) {
+        transport = detail::make_staging_transport(std::move(transport), options.device, rank,
+                                                   failure, ctx);
+      }
       break;
     case Backend::kNccl:
 #if DTRAIN_HAS_NCCL

@@ -25,6 +25,7 @@ class FrontEnd final : public Communicator {
   int world_size() const override { return world_size_; }
   Backend backend() const override { return transport_->backend(); }
   const char* transport_name() const override { return transport_->name(); }
+  c10::Device device() const override { return transport_->device(); }
   uint64_t sequence_number() const override { return next_seq_.load(); }
 
   WorkPtr all_reduce(at::Tensor tensor, ReduceOp op, const CallOptions& options) override;

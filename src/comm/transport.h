@@ -50,6 +50,8 @@ class Transport {
   virtual Backend backend() const = 0;
   // What Communicator::transport_name() reports.
   virtual const char* name() const { return to_string(backend()); }
+  // What Communicator::device() reports: the device of the tensors check_tensor accepts.
+  virtual c10::Device device() const = 0;
   // Throws InvalidArgument(ctx, "<what>: <why>") unless this backend can move `t` (its
   // device, its dtype). The front end already checked it is defined, dense and contiguous.
   virtual void check_tensor(const at::Tensor& t, const ErrorContext& ctx,

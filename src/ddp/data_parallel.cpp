@@ -6,11 +6,11 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <mutex>
 
 #include <fmt/format.h>
 
+#include "comm/control_plane.h"
 #include "compat/torch_compat.h"
 #include "dtrain/errors.h"
 #include "strategy/module_sync.h"
@@ -76,8 +76,8 @@ class DataParallel::Reducer {
   // What backward communicates once autograd is done (or failed): every remaining bucket,
   // in order, waited for, and the unused-parameter all-reduce. Returns a failure that left
   // the collectives in step (a hook's continuation threw); breaks on any other.
-  std::exception_ptr complete_communication(at::Tensor& used_everywhere);
-  void apply_unused_parameters(const at::Tensor& used_everywhere);
+  std::exception_ptr complete_communication(std::vector<uint8_t>& used_everywhere);
+  void apply_unused_parameters(const std::vector<uint8_t>& used_everywhere);
   void reset_after_failure();
   void rebuild_from_ready_order();
 
@@ -108,7 +108,7 @@ DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, Commun
     : module_(std::move(module)),
       comm_(std::move(comm)),
       options_(std::move(options)),
-      steps_(comm_, "DataParallel", c10::Device(c10::kCPU)) {
+      steps_(comm_, "DataParallel") {
   if (!comm_) throw InvalidArgument("DataParallel: communicator is null");
   if (!module_) throw InvalidArgument(ctx("DataParallel()"), "module is null");
   if (options_.bucket_cap_mb <= 0 || options_.first_bucket_cap_mb <= 0) {
@@ -249,7 +249,7 @@ void DataParallel::Reducer::forward_failed(std::exception_ptr error) {
         launch_order_.clear();
         next_launch_ = 0;
         for (auto& b : buckets_) b.pending = 0;
-        at::Tensor used;
+        std::vector<uint8_t> used;
         complete_communication(used);
       }
       if (!steps_.broken()) steps_.agree(StepSync::Point::kBackwardEnd, "forward", error);
@@ -275,9 +275,8 @@ void DataParallel::Reducer::rebuild_from_ready_order() {
   for (size_t j = params_.size(); j-- > 0;) {  // parameters that never became ready
     if (!seen[j]) order[k++] = static_cast<int64_t>(j);
   }
-  at::Tensor t = at::from_blob(order.data(), {static_cast<int64_t>(order.size())}, at::kLong);
-  comm_->broadcast(t, 0)->wait();
-  std::vector<size_t> agreed(order.begin(), order.end());
+  const std::vector<int64_t> rank0 = ControlPlane(*comm_).broadcast(order, 0);
+  std::vector<size_t> agreed(rank0.begin(), rank0.end());
   build_buckets(agreed);
 }
 
@@ -322,7 +321,8 @@ void DataParallel::Reducer::launch(size_t b) {
   stats_.num_collectives += 1;
 }
 
-std::exception_ptr DataParallel::Reducer::complete_communication(at::Tensor& used_everywhere) {
+std::exception_ptr DataParallel::Reducer::complete_communication(
+    std::vector<uint8_t>& used_everywhere) {
   auto broken = [&](const std::string& why, std::exception_ptr cause) {
     std::rethrow_exception(steps_.break_with("backward", why, cause));
   };
@@ -349,10 +349,8 @@ std::exception_ptr DataParallel::Reducer::complete_communication(at::Tensor& use
     }
   }
   if (options_.find_unused_parameters) {
-    used_everywhere = at::empty({static_cast<int64_t>(used_.size())}, at::kByte);
-    std::memcpy(used_everywhere.data_ptr(), used_.data(), used_.size());
     try {
-      comm_->all_reduce(used_everywhere, ReduceOp::kMax)->wait();
+      used_everywhere = ControlPlane(*comm_).all_reduce(used_, ReduceOp::kMax);
     } catch (...) {
       broken("the unused-parameter all-reduce failed", std::current_exception());
     }
@@ -388,7 +386,7 @@ void DataParallel::Reducer::backward(const at::Tensor& loss) {
         "backward", "communication hook '" + hook_->name() + "' threw while issuing its collectives",
         hook_error_));
   }
-  at::Tensor used;
+  std::vector<uint8_t> used;
   const auto wait_start = Clock::now();
   if (sync_) {  // no_sync: gradients stay local, accumulated in the buckets
     if (auto hook_failure = complete_communication(used); hook_failure && !failure) {
@@ -409,8 +407,8 @@ void DataParallel::Reducer::backward(const at::Tensor& loss) {
   ++iteration_;
 }
 
-void DataParallel::Reducer::apply_unused_parameters(const at::Tensor& used_everywhere) {
-  const auto* u = used_everywhere.data_ptr<uint8_t>();
+void DataParallel::Reducer::apply_unused_parameters(const std::vector<uint8_t>& used_everywhere) {
+  const auto& u = used_everywhere;
   for (size_t i = 0; i < params_.size(); ++i) {
     // Unused everywhere: leave .grad as single-device training would, undefined if the
     // optimizer had set it to none (LibTorch 2.x's zero_grad), zeros otherwise.

@@ -186,10 +186,14 @@ at::Tensor FlatParam::gather_input() const {
 void FlatParam::copy_shard_to_full() {
   c10::NoGradGuard no_grad;
   at::Tensor input = gather_input();
-  // A raw copy: the parameters' version counters must not change (autograd would refuse
-  // the saved views in backward).
-  if (full_.data_ptr() != input.data_ptr()) {
+  // The parameters' version counters must not change (autograd would refuse the saved
+  // views in backward): a raw copy on the CPU, elsewhere an ATen copy into variable_data(),
+  // an alias with a version counter of its own (a host memcpy cannot read device memory).
+  if (full_.data_ptr() == input.data_ptr()) return;
+  if (full_.is_cpu() && input.is_cpu()) {
     std::memcpy(full_.data_ptr(), input.data_ptr(), input.nbytes());
+  } else {
+    full_.variable_data().copy_(input);
   }
 }
 

@@ -68,7 +68,7 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
     : comm_(std::move(comm)),
       module_(std::move(module)),
       options_(std::move(options)),
-      steps_(comm_, "FullyShardedDataParallel", c10::Device(c10::kCPU)) {
+      steps_(comm_, "FullyShardedDataParallel") {
   if (!comm_) throw InvalidArgument("FullyShardedDataParallel: communicator is null");
   if (!module_) throw InvalidArgument(ctx("FullyShardedDataParallel()"), "module is null");
   if (options_.limit_all_gathers < 1) {

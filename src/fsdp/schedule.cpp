@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/control_plane.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::fsdp {
@@ -170,16 +171,15 @@ void Schedule::end_forward(Communicator& world) {
     const int n = world.world_size();
     int64_t as_signed = 0;
     std::memcpy(&as_signed, &digest, sizeof(digest));
-    at::Tensor mine = at::full({1}, as_signed, at::kLong);
-    at::Tensor all = at::empty({n}, at::kLong);
+    std::vector<int64_t> all;
     try {
-      world.all_gather(all, mine)->wait();
+      all = ControlPlane(world).all_gather(std::vector<int64_t>{as_signed});
     } catch (...) {
       failed_ = true;
       throw;
     }
     for (int r = 0; r < n; ++r) {
-      if (all[r].item<int64_t>() != as_signed) {
+      if (all[static_cast<size_t>(r)] != as_signed) {
         throw InvalidArgument(ctx, fmt::format("units ran in a different order on rank {}", r));
       }
     }

@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/control_plane.h"
 #include "fsdp/fsdp_impl.h"
 #include "strategy/state_layout.h"
 
@@ -23,9 +24,7 @@ double FullyShardedDataParallel::Impl::grad_norm() {
   }
   if (const auto& shard = schedule_->comms().shard) {
     // Shards are disjoint and padding holds zeros: the global sum is the sum of the parts.
-    at::Tensor t = at::full({1}, sq, at::kDouble);
-    shard->all_reduce(t, ReduceOp::kSum)->wait();
-    sq = t.item<double>();
+    sq = ControlPlane(*shard).all_reduce_value(sq, ReduceOp::kSum);
   }
   return std::sqrt(sq);
 }

@@ -3,11 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include <cstring>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "comm/control_plane.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
@@ -29,17 +28,9 @@ void verify_same_model(Communicator& comm,
   for (const auto& [name, t] : named) sig += signature_line(name, t) + "\n";
   // Exchange every rank's signature so that every rank reaches the same verdict and
   // throws the same message: a mismatch must never leave one rank waiting on the others.
-  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), at::kLong);
-  at::Tensor lens = at::empty({world}, at::kLong);
-  comm.all_gather(lens, len)->wait();
-  const int64_t max_len = lens.max().item<int64_t>();
-  at::Tensor mine = at::zeros({max_len}, at::kByte);
-  std::memcpy(mine.data_ptr(), sig.data(), sig.size());
-  at::Tensor all = at::empty({max_len * world}, at::kByte);
-  comm.all_gather(all, mine)->wait();
+  const std::vector<std::string> all = ControlPlane(comm).all_gather_bytes(sig);
   auto lines_of = [&](int r) {
-    const char* p = static_cast<const char*>(all.data_ptr()) + r * max_len;
-    std::string s(p, static_cast<size_t>(lens[r].item<int64_t>()));
+    const std::string& s = all[static_cast<size_t>(r)];
     std::vector<std::string> lines;
     size_t start = 0;
     for (size_t nl; (nl = s.find('\n', start)) != std::string::npos; start = nl + 1)

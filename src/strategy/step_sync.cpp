@@ -1,22 +1,18 @@
 #include "strategy/step_sync.h"
 
-#include <ATen/ATen.h>
-#include <c10/core/GradMode.h>
-
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "comm/control_plane.h"
 #include "dtrain/errors.h"
 
 namespace dtrain {
 namespace {
 
-constexpr int64_t kColumns = 3;         // point, step, failed
-constexpr int64_t kMessageBytes = 384;  // of a failing rank's what(), sent to its peers
+constexpr size_t kMessageBytes = 384;  // of a failing rank's what(), sent to its peers
 
 // "the start of step 12", "the end of backward of step 12", ...
 std::string point_name(int64_t p, int64_t step) {
@@ -46,8 +42,8 @@ std::string describe(std::exception_ptr e) {
   }
 }
 
-StepSync::StepSync(CommunicatorPtr comm, std::string strategy, c10::Device device)
-    : comm_(std::move(comm)), strategy_(std::move(strategy)), device_(device) {}
+StepSync::StepSync(CommunicatorPtr comm, std::string strategy)
+    : comm_(std::move(comm)), strategy_(std::move(strategy)) {}
 
 ErrorContext StepSync::ctx(const char* op) const {
   return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
@@ -67,14 +63,11 @@ std::exception_ptr StepSync::break_with(const char* op, const std::string& why,
   return broken_;
 }
 
-at::Tensor StepSync::exchange(Point point, const char* op, bool failed) {
-  const int world = comm_->world_size();
-  at::Tensor mine = at::tensor({static_cast<int64_t>(point), step_, int64_t{failed}}, at::kLong);
-  if (world == 1) return mine.view({1, kColumns});
-  c10::NoGradGuard no_grad;
-  at::Tensor all = at::empty({world * kColumns}, at::TensorOptions(at::kLong).device(device_));
+StepSync::Table StepSync::exchange(Point point, const char* op, bool failed) {
+  const std::vector<int64_t> mine = {static_cast<int64_t>(point), step_, int64_t{failed}};
+  Table table;
   try {
-    comm_->all_gather(all, mine.to(device_))->wait();
+    table.cells = ControlPlane(*comm_).all_gather(mine);
   } catch (...) {
     std::rethrow_exception(break_with(
         op,
@@ -83,16 +76,16 @@ at::Tensor StepSync::exchange(Point point, const char* op, bool failed) {
                     point_name(static_cast<int64_t>(point), step_)),
         std::current_exception()));
   }
-  return all.cpu().view({world, kColumns});
+  return table;
 }
 
 void StepSync::start_step(const char* op) {
   check_usable(op);
   ++step_;
-  at::Tensor table = exchange(Point::kStart, op, false);
+  const Table table = exchange(Point::kStart, op, false);
   std::vector<int> with, without, elsewhere;
-  for (int r = 0; r < table.size(0); ++r) {
-    const int64_t p = table[r][0].item<int64_t>();
+  for (int r = 0; r < table.rows(); ++r) {
+    const int64_t p = table(r, 0);
     (p == static_cast<int64_t>(Point::kStart) ? with
      : p == static_cast<int64_t>(Point::kFinish) ? without
                                                   : elsewhere)
@@ -103,9 +96,7 @@ void StepSync::start_step(const char* op) {
         op, "ranks out of step",
         std::make_exception_ptr(Error(fmt::format(
             "{} started step {} while {} reached {}", ranks_text(with), step_,
-            ranks_text(elsewhere),
-            point_name(table[elsewhere[0]][0].item<int64_t>(),
-                       table[elsewhere[0]][1].item<int64_t>()))))));
+            ranks_text(elsewhere), point_name(table(elsewhere[0], 0), table(elsewhere[0], 1)))))));
   }
   if (!without.empty()) {
     throw InvalidArgument(ctx(op), fmt::format("{} had no batch at step {} while {} did",
@@ -116,11 +107,10 @@ void StepSync::start_step(const char* op) {
 void StepSync::finish() {
   check_usable("finish");
   ++step_;
-  at::Tensor table = exchange(Point::kFinish, "finish", false);
+  const Table table = exchange(Point::kFinish, "finish", false);
   std::vector<int> with, without;
-  for (int r = 0; r < table.size(0); ++r) {
-    (table[r][0].item<int64_t>() == static_cast<int64_t>(Point::kFinish) ? without : with)
-        .push_back(r);
+  for (int r = 0; r < table.rows(); ++r) {
+    (table(r, 0) == static_cast<int64_t>(Point::kFinish) ? without : with).push_back(r);
   }
   --step_;  // finish() is not a step: a later forward() starts this one
   if (!with.empty()) {
@@ -131,49 +121,43 @@ void StepSync::finish() {
 }
 
 std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_ptr local) {
-  at::Tensor table = exchange(point, op, static_cast<bool>(local));
-  const int world = static_cast<int>(table.size(0));
+  const Table table = exchange(point, op, static_cast<bool>(local));
+  const int world = static_cast<int>(table.rows());
   std::vector<int> failed, elsewhere;
   for (int r = 0; r < world; ++r) {
-    if (table[r][0].item<int64_t>() != static_cast<int64_t>(point) ||
-        table[r][1].item<int64_t>() != step_) {
+    if (table(r, 0) != static_cast<int64_t>(point) || table(r, 1) != step_) {
       elsewhere.push_back(r);
     }
-    if (table[r][2].item<int64_t>() != 0) failed.push_back(r);
+    if (table(r, 2) != 0) failed.push_back(r);
   }
   if (!elsewhere.empty()) {
     return break_with(op, "ranks out of step",
                       std::make_exception_ptr(Error(fmt::format(
                           "rank {} reached {} while {} reached {}", comm_->rank(),
                           point_name(static_cast<int64_t>(point), step_), ranks_text(elsewhere),
-                          point_name(table[elsewhere[0]][0].item<int64_t>(),
-                                     table[elsewhere[0]][1].item<int64_t>())))));
+                          point_name(table(elsewhere[0], 0), table(elsewhere[0], 1))))));
   }
   if (failed.empty()) return nullptr;
   // Every rank learns the first failing rank's message: one more exchange, on failure only.
-  at::Tensor message = at::zeros({kMessageBytes}, at::kByte);
+  std::vector<uint8_t> message(kMessageBytes, 0);  // NUL-terminated, fixed size
   if (local) {
     const std::string what = describe(local);
-    std::memcpy(message.data_ptr(), what.data(),
-                std::min<size_t>(what.size(), static_cast<size_t>(kMessageBytes - 1)));
+    std::copy_n(what.begin(), std::min(what.size(), kMessageBytes - 1), message.begin());
   }
-  at::Tensor messages = message.view({1, kMessageBytes});
-  if (world > 1) {
-    at::Tensor all = at::empty({world * kMessageBytes}, at::TensorOptions(at::kByte).device(device_));
-    try {
-      comm_->all_gather(all, message.to(device_))->wait();
-    } catch (...) {
-      return break_with(op, "the failure report did not reach every rank", std::current_exception());
-    }
-    messages = all.cpu().view({world, kMessageBytes});
+  std::vector<uint8_t> messages;
+  try {
+    messages = ControlPlane(*comm_).all_gather(message);
+  } catch (...) {
+    return break_with(op, "the failure report did not reach every rank", std::current_exception());
   }
   if (local) return local;
   const int first = failed.front();
-  const std::string what(static_cast<const char*>(messages[first].data_ptr()));
-  return std::make_exception_ptr(
-      StepError(ctx(op), fmt::format("step {} failed on {}: {}; the step was dropped on every "
-                                     "rank and the strategy is ready for the next one",
-                                     step_, ranks_text(failed), what)));
+  return std::make_exception_ptr(StepError(
+      ctx(op),
+      fmt::format("step {} failed on {}: {}; the step was dropped on every rank and the "
+                  "strategy is ready for the next one",
+                  step_, ranks_text(failed),
+                  reinterpret_cast<const char*>(messages.data()) + first * kMessageBytes)));
 }
 
 }  // namespace dtrain

@@ -14,11 +14,10 @@
 // the wrong collectives.
 #pragma once
 
-#include <c10/core/Device.h>
-
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
@@ -30,8 +29,9 @@ class StepSync {
   // Where in a step an agreement is; ranks at different points are out of step.
   enum class Point : int64_t { kStart = 1, kFinish = 2, kForwardEnd = 3, kBackwardEnd = 4 };
 
-  // `device`: where the agreement's tensors live (the communicator's device: CPU for Gloo).
-  StepSync(CommunicatorPtr comm, std::string strategy, c10::Device device);
+  // The agreements go through the control plane (comm/control_plane.h): on the
+  // communicator's device.
+  StepSync(CommunicatorPtr comm, std::string strategy);
 
   // Index of the current step (forward() calls, from 0), for messages.
   int64_t step() const { return step_; }
@@ -61,12 +61,17 @@ class StepSync {
 
  private:
   ErrorContext ctx(const char* op) const;
-  // Issues the agreement and returns every rank's [point, step, failed] row.
-  at::Tensor exchange(Point point, const char* op, bool failed);
+  // Every rank's [point, step, failed] row.
+  struct Table {
+    std::vector<int64_t> cells;  // row-major
+    int rows() const { return static_cast<int>(cells.size() / 3); }
+    int64_t operator()(int r, int c) const { return cells[static_cast<size_t>(r * 3 + c)]; }
+  };
+  // Issues the agreement and returns the table.
+  Table exchange(Point point, const char* op, bool failed);
 
   CommunicatorPtr comm_;
   std::string strategy_;
-  c10::Device device_;
   int64_t step_ = -1;
   std::exception_ptr broken_;
 };

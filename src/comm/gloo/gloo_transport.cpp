@@ -120,6 +120,7 @@ class GlooTransport final : public detail::Transport {
   ~GlooTransport() override;
 
   Backend backend() const override { return Backend::kGloo; }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
   void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override;
   void check_call(const Collective& call) const override;
   WorkPtr start(Collective call) override;

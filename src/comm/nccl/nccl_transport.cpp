@@ -167,6 +167,9 @@ class NcclTransport final : public detail::Transport {
   }
 
   Backend backend() const override { return Backend::kNccl; }
+  c10::Device device() const override {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
+  }
 
   void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override {
     auto fail = [&](const std::string& why) {

@@ -48,6 +48,7 @@ class HierarchicalTransport final : public detail::Transport {
 
   Backend backend() const override { return Backend::kGloo; }
   const char* name() const override { return "hierarchical"; }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
   void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override {
     p2p_->check_tensor(t, ctx, what);
   }
