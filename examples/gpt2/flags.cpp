@@ -35,6 +35,11 @@ ABSL_FLAG(std::string, device, "cpu",
           "cpu | cuda. cuda: the NCCL backend (when built); a rank uses GPU LOCAL_RANK, or 0 "
           "when CUDA_VISIBLE_DEVICES shows it one GPU (docs/nccl.md, the device contract); "
           "more ranks per host than GPUs is refused.");
+ABSL_FLAG(std::string, backend, "auto",
+          "auto | nccl | gloo. auto: nccl with --device cuda, gloo on the CPU. gloo with "
+          "--device cuda: Gloo's collectives on the GPU's tensors, staged through pinned host "
+          "memory, so several ranks may share one GPU (slower than NCCL; for tests and "
+          "clusters without an NCCL-capable network). nccl needs --device cuda.");
 ABSL_FLAG(int, threads, 0,
           "Intra-op threads per rank; 0: max(1, cores / LOCAL_WORLD_SIZE) so that the ranks "
           "of one machine share its cores.");
@@ -298,6 +303,12 @@ Config config_from_flags() {
   c.device = choose<DeviceKind>(absl::GetFlag(FLAGS_device),
                                 {{"cpu", DeviceKind::kCpu}, {"cuda", DeviceKind::kCuda}},
                                 "--device must be cpu or cuda");
+  c.backend = choose<BackendKind>(
+      absl::GetFlag(FLAGS_backend),
+      {{"auto", BackendKind::kAuto}, {"nccl", BackendKind::kNccl}, {"gloo", BackendKind::kGloo}},
+      "--backend must be auto, nccl or gloo");
+  check(c.backend != BackendKind::kNccl || c.device == DeviceKind::kCuda,
+        "--backend nccl needs --device cuda (NCCL moves only GPU tensors)");
   c.precision = choose<Precision>(
       absl::GetFlag(FLAGS_precision),
       {{"fp32", Precision::kFp32}, {"bf16", Precision::kBf16}, {"fp16", Precision::kFp16}},

@@ -69,13 +69,17 @@ void Trainer::setup_device_and_comm() {
   options.timeout = std::chrono::seconds(c_.timeout_s);
   if (c_.device == DeviceKind::kCuda) {
     check(torch::cuda::is_available(), "--device cuda: LibTorch sees no CUDA device");
-    options.backend = dtrain::Backend::kNccl;
+    options.backend =
+        c_.backend == BackendKind::kGloo ? dtrain::Backend::kGloo : dtrain::Backend::kNccl;
     // The device contract (dtrain/rendezvous.h): LOCAL_RANK, or device 0 when
     // CUDA_VISIBLE_DEVICES narrows this rank to one GPU; NCCL ranks sharing one is refused.
     const int index = info_.cuda_device(dtrain::cuda_device_count(), options.backend);
     device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
     options.device_index = index;
+    // Gloo on CUDA tensors: staged through host memory (CommunicatorOptions::device).
+    if (options.backend == dtrain::Backend::kGloo) options.device = device_;
   }
+  comm_options_ = options;
   if (c_.strategy == StrategyKind::kSingle) {
     check(info_.world_size == 1,
           fmt::format("--strategy single runs one rank, but WORLD_SIZE is {} (drop --nproc, or "
@@ -219,14 +223,9 @@ void Trainer::setup_model_and_strategy() {
               fmt::format("--sharding hybrid needs several ranks and a world size ({}) that is a "
                           "multiple of the shard group size ({})",
                           info_.world_size, group));
-        dtrain::CommunicatorOptions go;
-        go.timeout = std::chrono::seconds(c_.timeout_s);
-        if (device_.is_cuda()) {
-          go.backend = dtrain::Backend::kNccl;
-          go.device_index = device_.index();
-        }
+        // The same backend and device as the world's communicator.
         auto groups = dtrain::make_hybrid_groups(store_, info_.rank, info_.world_size, group,
-                                                 info_.communicator_options(go));
+                                                 info_.communicator_options(comm_options_));
         o.shard_group = groups.shard_group;
         o.replicate_group = groups.replicate_group;
       }

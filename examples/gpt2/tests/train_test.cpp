@@ -618,6 +618,18 @@ TEST(TrainerErrors, Fp16IsRefusedOnCpu) {
   }
 }
 
+// NCCL moves only GPU tensors; a misspelt backend is named.
+TEST(TrainerErrors, BackendFlagIsChecked) {
+  RunResult nccl = run_trainer("nccl_on_cpu", with(common_args(), {"--backend=nccl"}));
+  EXPECT_EQ(nccl.exit_code, 1);
+  EXPECT_NE(nccl.output.find("--backend nccl needs --device cuda"), std::string::npos)
+      << nccl.output;
+  RunResult bad = run_trainer("bad_backend", with(common_args(), {"--backend=mpi"}));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.output.find("--backend must be auto, nccl or gloo"), std::string::npos)
+      << bad.output;
+}
+
 TEST(TrainerErrors, BadLossScaleIsRefused) {
   for (const char* bad : {"--loss_scale=abc", "--loss_scale=-4", "--loss_scale=0"}) {
     RunResult r = run_trainer("bad_loss_scale", with(common_args(), {bad}));
