@@ -72,7 +72,7 @@ struct MlpImpl : torch::nn::Module {
 TORCH_MODULE(Mlp);
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t dim, int64_t heads);
+  BlockImpl(int64_t dim, int64_t heads, bool fused_attention = true);
   at::Tensor forward(const at::Tensor& x);  // x + attn(ln_1(x)), then + mlp(ln_2(.))
 
   torch::nn::LayerNorm ln_1;
