@@ -108,10 +108,21 @@ apt_in_root() {
 
 install_pkgs() {
   # /proc is needed by some maintainer scripts; mount it privately for the install.
+  # cuda: nvidia-cudnn (a dependency of libtorch-cuda) is an installer package whose
+  # postinst downloads cuDNN from NVIDIA, which fails here and leaves it and everything that
+  # depends on it unconfigured. Its postinst is then replaced by a no-op and the rest is
+  # configured: the root has no cuDNN, as documented at the top.
   unshare --mount --propagation private bash -c '
-    set -e; mount -t proc proc "$1/proc"; shift
-    chroot "$0" env DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 apt-get "$@"' \
-    "$dir" "$dir" install -y -q --no-install-recommends "${pkgs[@]}"
+    set -e; dir="$1"; shift; mount -t proc proc "$dir/proc"
+    in_root() { chroot "$dir" env DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 "$@"; }
+    if in_root apt-get install -y -q --no-install-recommends "$@"; then exit 0; fi
+    postinst="$dir/var/lib/dpkg/info/nvidia-cudnn.postinst"
+    [ -f "$postinst" ] && in_root dpkg -s nvidia-cudnn | grep -q "^Status: .*half-configured\|^Status: .*unpacked" || exit 1
+    echo "chroot.sh: nvidia-cudnn cannot download cuDNN here: configuring it without cuDNN" >&2
+    printf "#!/bin/sh\n# dtrain chroot.sh: cuDNN download disabled (no access to NVIDIA)\nexit 0\n" >"$postinst"
+    in_root dpkg --configure -a
+    in_root apt-get install -y -q --no-install-recommends "$@"' \
+    chroot-install "$dir" "${pkgs[@]}"
   printf '%s\n' "${pkgs[@]}" >"$stamp"
 }
 
