@@ -144,6 +144,7 @@ create() {
   fi
   echo "deb $uri $suite main contrib non-free" >"$dir/etc/apt/sources.list"
   cp -L /etc/resolv.conf "$dir/etc/resolv.conf" 2>/dev/null || true
+  cp -L /etc/hosts "$dir/etc/hosts" 2>/dev/null || true  # the host name resolves as outside
   echo "chroot.sh: installing ${pkgs[*]} into $dir" >&2
   apt_in_root update -q >&2
   install_pkgs >&2
@@ -154,6 +155,7 @@ update() {
   lock
   echo "deb $(mirror) $suite main contrib non-free" >"$dir/etc/apt/sources.list"
   cp -L /etc/resolv.conf "$dir/etc/resolv.conf" 2>/dev/null || true
+  cp -L /etc/hosts "$dir/etc/hosts" 2>/dev/null || true  # the host name resolves as outside
   apt_in_root update -q >&2
   apt_in_root upgrade -y -q >&2
   install_pkgs >&2

@@ -18,6 +18,7 @@
 #         undefined symbols *inside* the shared libraries (libtorch_cuda.so -> cuDNN). Such
 #         executables cannot start, so this leg ends at the link. There is no GPU here either.
 #
+# Ninja keeps going after a failed compile (-k 0), so one run shows every error of a leg.
 # Prints each leg's wall time; ctest's summary gives the test counts. Build directories are
 # kept between runs (CI starts from a clean clone, so there they start empty).
 # DTRAIN_JOBS: parallel compile jobs (default: nproc).
@@ -31,7 +32,7 @@ leg_cpu() {
   "$root/scripts/chroot.sh" run cpu "
     set -euo pipefail
     cmake -S . -B build-trixie -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WERROR=ON >/dev/null
-    cmake --build build-trixie -j $jobs
+    cmake --build build-trixie -j $jobs -- -k 0
     cd build-trixie
     ctest --output-on-failure -j 2 --timeout 600"
 }
@@ -41,7 +42,7 @@ leg_cuda() {
     set -euo pipefail
     cmake -S . -B build-trixie-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WERROR=ON \
       -DDTRAIN_WITH_NCCL=ON '-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined' >/dev/null
-    cmake --build build-trixie-cuda -j $jobs"
+    cmake --build build-trixie-cuda -j $jobs -- -k 0"
 }
 
 for leg in "${legs[@]}"; do
