@@ -174,6 +174,7 @@ destroy() {
 # Runs "$@" inside the root with the bind mounts, in a private mount namespace.
 in_root() {
   create
+  exec 9>&-  # release create's lock: runs share the root
   local binds=("$src")
   if [ -L "$src/data" ]; then binds+=("$(readlink -f "$src/data")"); fi
   # shellcheck disable=SC2206
