@@ -114,15 +114,17 @@ at::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& layer,
   const int64_t heads = mha.options.num_heads(), hd = C / heads;
   auto qkv = at::linear(x, mha.in_proj_weight, mha.in_proj_bias).chunk(3, -1);
   // [T, B, C] -> [B, heads, T, hd]
-  auto to_heads = [&](const at::Tensor& t) { return t.view({T, B, heads, hd}).permute({1, 2, 0, 3}); };
+  auto to_heads = [&](const at::Tensor& t) {
+    return t.view({T, B, heads, hd}).permute({1, 2, 0, 3});
+  };
   const double p = layer.is_training() ? mha.options.dropout() : 0.0;
   at::Tensor y = dtrain::compat::fused_attention(to_heads(qkv[0]), to_heads(qkv[1]),
                                                  to_heads(qkv[2]), c10::nullopt,
                                                  /*causal=*/false, p);
   y = mha.out_proj->forward(y.permute({2, 0, 1, 3}).reshape({T, B, C}));
   at::Tensor h = layer.norm1->forward(x + layer.dropout1->forward(y));
-  at::Tensor f = layer.linear2->forward(
-      layer.dropout->forward(at::gelu(layer.linear1->forward(h))));
+  at::Tensor f =
+      layer.linear2->forward(layer.dropout->forward(at::gelu(layer.linear1->forward(h))));
   return layer.norm2->forward(h + layer.dropout2->forward(f));
 }
 

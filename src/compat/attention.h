@@ -39,7 +39,8 @@ inline at::Tensor explicit_attention(const at::Tensor& q, const at::Tensor& k, c
     at::Tensor future = at::ones({tq, tk}, q.options().dtype(at::kBool)).triu(1);
     att = att.masked_fill(future, minus_inf);
   }
-  if (attend.has_value() && attend->defined()) att = att.masked_fill(attend->logical_not(), minus_inf);
+  if (attend.has_value() && attend->defined())
+    att = att.masked_fill(attend->logical_not(), minus_inf);
   att = at::softmax(att, -1, at::kFloat).to(v.scalar_type());
   if (dropout_p > 0.0) att = at::dropout(att, dropout_p, /*train=*/true);
   return at::matmul(att, v);

@@ -213,7 +213,8 @@ TEST(BertModel, FusedAttentionMatchesTheStockLayers) {
       ASSERT_NE(g, nullptr) << item.key();
       ASSERT_TRUE(g->grad().defined()) << item.key();
       EXPECT_TRUE(at::allclose(g->grad(), item.value().grad(), 1e-4, 1e-6))
-          << item.key() << ": max |diff| " << (g->grad() - item.value().grad()).abs().max().item<double>();
+          << item.key() << ": max |diff| "
+          << (g->grad() - item.value().grad()).abs().max().item<double>();
     }
   }
 }

@@ -172,13 +172,19 @@ TEST(Attention, FusedAndExplicitMatchAReferenceWithCausalAndPaddingMasks) {
       SCOPED_TRACE(::testing::Message() << "causal " << causal << ", padding " << pad);
       const c10::optional<at::Tensor> mask = pad ? c10::optional<at::Tensor>(attend) : c10::nullopt;
       const auto want = attention_grads(
-          [&](auto& a, auto& b, auto& c) { return reference_attention(a, b, c, causal, pad ? padded : full); },
+          [&](auto& a, auto& b, auto& c) {
+            return reference_attention(a, b, c, causal, pad ? padded : full);
+          },
           q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), w);
       const auto fused = attention_grads(
-          [&](auto& a, auto& b, auto& c) { return dtrain::compat::fused_attention(a, b, c, mask, causal); },
+          [&](auto& a, auto& b, auto& c) {
+            return dtrain::compat::fused_attention(a, b, c, mask, causal);
+          },
           q, k, v, w);
       const auto expl = attention_grads(
-          [&](auto& a, auto& b, auto& c) { return dtrain::compat::explicit_attention(a, b, c, mask, causal); },
+          [&](auto& a, auto& b, auto& c) {
+            return dtrain::compat::explicit_attention(a, b, c, mask, causal);
+          },
           q, k, v, w);
       for (const auto* got : {&fused, &expl}) {
         const char* which = got == &fused ? "fused" : "explicit";
