@@ -92,7 +92,8 @@ def med(name, key):
     vals = []
     for i in range(1, repeats + 1):
         rows = [json.loads(l) for l in open(f"{out}/peer_{name}_{i}.jsonl") if l.strip()]
-        rows = [r for r in rows if r.get("kind") == "step"][5:]
+        rows = [r for r in rows if r.get("kind") == "step"]
+        rows = rows[min(5, len(rows) - 1):]  # warm-up steps out (a smoke run keeps its last)
         vals.append(statistics.median(r[key] for r in rows))
     return statistics.median(vals)
 def peak(name):
