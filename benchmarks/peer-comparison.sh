@@ -1,15 +1,41 @@
 #!/usr/bin/env bash
 # dtrain vs PyTorch's own (Python) training on the same GPT-2 `tiny` shape, synthetic
-# tokens and per-rank batch, alternating runs in one session:
-#   PyTorch single process, PyTorch DDP (Gloo, 2 ranks), dtrain single and ddp (2 ranks)
-#   each with --loss standard (the same model code as PyTorch's script) and with the
-#   default fused LM-head loss, dtrain fsdp (2 ranks). PyTorch 1.13's FSDP cannot run on this CPU-only Python
-#   (it fails at import on Python 3.11 and requires CUDA), so FSDP has no peer here.
+# tokens and per-rank batch, alternating runs in one session.
+#
+# PEER_TORCH=system (default): the machine's Debian python3-torch (bookworm: PyTorch 1.13)
+#   against dtrain in ${DTRAIN_BUILD_DIR:-build}: PyTorch single process, PyTorch DDP (Gloo, 2
+#   ranks), dtrain single and ddp (2 ranks) each with --loss standard (the same model code as
+#   PyTorch's script) and with the default fused LM-head loss, dtrain fsdp (2 ranks).
+#   PyTorch 1.13's FSDP cannot run on this CPU-only Python (it fails at import on Python 3.11
+#   and requires CUDA), so FSDP has no peer there.
+# PEER_TORCH=trixie: everything inside scripts/chroot.sh's trixie `cpu` root: PyTorch 2.6
+#   (python3-torch, USE_LIBUV=0: Debian builds it without libuv) against dtrain built on
+#   LibTorch 2.6 in build-trixie/ (scripts/ci-legs.sh cpu builds it). PyTorch runs what a 2.x
+#   user writes: F.scaled_dot_product_attention, DDP, and FSDP1 (FullyShardedDataParallel,
+#   full shard, one unit per block, device_id cpu; 2.6's fully_shard/FSDP2 fails on CPU with
+#   "'Stream' object has no attribute 'record_event'"). dtrain's models use
+#   at::scaled_dot_product_attention on 2.6 (src/compat/attention.h). Two labelled tables:
+#     like for like  dtrain --loss standard (the same model code, fused attention both sides),
+#                    so the ratio measures the library, not the example's fused loss;
+#     whole example  dtrain's defaults (fused LM-head loss) against the same PyTorch runs.
+#
 # Output: ${OUT:-report/bench}/peer.md with medians and dtrain/PyTorch ratios.
 # STEPS (25), REPEATS (2), TORCH_MALLOC=dtrain|default (below), OMP_WAIT_POLICY (PASSIVE;
 # "default": libgomp's own, see peer-setup.sh).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+peer="${PEER_TORCH:-system}"
+case "$peer" in
+  system) ;;
+  trixie)
+    if [ -z "${PEER_IN_ROOT:-}" ]; then
+      "$root/scripts/chroot.sh" create cpu
+      exec "$root/scripts/chroot.sh" run cpu env PEER_IN_ROOT=1 PEER_TORCH=trixie \
+        DTRAIN_BUILD_DIR="${DTRAIN_BUILD_DIR:-$root/build-trixie}" "$root/benchmarks/peer-comparison.sh"
+    fi
+    ;;
+  *) echo "peer-comparison: PEER_TORCH must be system or trixie, not '$peer'" >&2; exit 2 ;;
+esac
 build="${DTRAIN_BUILD_DIR:-$root/build}"
 out="${OUT:-$root/report/bench}"
 steps="${STEPS:-25}"
@@ -34,40 +60,71 @@ py() {
 }
 # dtrain runs twice per strategy: with the model code PyTorch's script runs (--loss standard:
 # logits, then cross_entropy) and with the example's default fused LM-head loss.
+torch_attention=explicit
+strategies=(single ddp)
+if [ "$peer" = trixie ]; then
+  torch_attention=sdpa
+  strategies=(single ddp fsdp)
+fi
+echo "peer: $(/usr/bin/python3 -c 'import torch; print("PyTorch", torch.__version__)'), attention $torch_attention" >&2
 for i in $(seq 1 "$repeats"); do
-  py --nproc 1 --metrics_out "$out/peer_torch_single_$i.jsonl"
-  "$train" "${dt[@]}" --strategy single --loss standard \
-    --metrics_out "$out/peer_dtrain_single_std_$i.jsonl" >/dev/null
-  "$train" "${dt[@]}" --strategy single --metrics_out "$out/peer_dtrain_single_$i.jsonl" >/dev/null
-  py --nproc 2 --port $((29600 + i)) --metrics_out "$out/peer_torch_ddp_$i.jsonl"
-  "$train" "${dt[@]}" --strategy ddp --nproc 2 --loss standard \
-    --metrics_out "$out/peer_dtrain_ddp_std_$i.jsonl" >/dev/null
-  "$train" "${dt[@]}" --strategy ddp --nproc 2 --metrics_out "$out/peer_dtrain_ddp_$i.jsonl" >/dev/null
-  "$train" "${dt[@]}" --strategy fsdp --nproc 2 --metrics_out "$out/peer_dtrain_fsdp_$i.jsonl" >/dev/null
+  for s in "${strategies[@]}"; do
+    if [ "$s" = single ]; then
+      py --nproc 1 --attention "$torch_attention" --metrics_out "$out/peer_torch_single_$i.jsonl"
+      nproc=()
+    else
+      py --nproc 2 --strategy "$s" --attention "$torch_attention" --port $((29600 + i)) \
+        --metrics_out "$out/peer_torch_${s}_$i.jsonl"
+      nproc=(--nproc 2)
+    fi
+    "$train" "${dt[@]}" --strategy "$s" "${nproc[@]}" --loss standard \
+      --metrics_out "$out/peer_dtrain_${s}_std_$i.jsonl" >/dev/null
+    "$train" "${dt[@]}" --strategy "$s" "${nproc[@]}" --metrics_out "$out/peer_dtrain_${s}_$i.jsonl" >/dev/null
+  done
+  if [ "$peer" = system ]; then  # no FSDP peer on PyTorch 1.13 (above)
+    "$train" "${dt[@]}" --strategy fsdp --nproc 2 --metrics_out "$out/peer_dtrain_fsdp_$i.jsonl" >/dev/null
+  fi
 done
-/usr/bin/python3 - "$out" "$repeats" <<'PY' | tee "$out/peer.md"
+/usr/bin/python3 - "$out" "$repeats" "$peer" <<'PY' | tee "$out/peer.md"
 import json, statistics, sys
-out, repeats = sys.argv[1], int(sys.argv[2])
+out, repeats, peer = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def med(name, key):
     vals = []
     for i in range(1, repeats + 1):
         rows = [json.loads(l) for l in open(f"{out}/peer_{name}_{i}.jsonl") if l.strip()]
-        rows = [r for r in rows if r.get("kind") == "step"][5:]
+        rows = [r for r in rows if r.get("kind") == "step"]
+        rows = rows[min(5, len(rows) - 1):]  # warm-up steps out (a smoke run keeps its last)
         vals.append(statistics.median(r[key] for r in rows))
     return statistics.median(vals)
 def peak(name):
     return max(json.loads(l)["peak_rss_mib"] for i in range(1, repeats + 1)
                for l in open(f"{out}/peer_{name}_{i}.jsonl") if l.strip())
-print("| run | tokens/s | peak RSS per rank (MiB) | tokens/s vs PyTorch | RSS vs PyTorch |\n|---|---|---|---|---|")
-rows = [("PyTorch single", "torch_single", None),
+def table(title, rows):
+    print(f"\n{title}\n")
+    print("| run | tokens/s | peak RSS per rank (MiB) | tokens/s vs PyTorch | RSS vs PyTorch |\n|---|---|---|---|---|")
+    for label, name, base in rows:
+        t, m = med(name, "tokens_per_s"), peak(name)
+        r = f"{t/med(base,'tokens_per_s'):.2f}x | {m/peak(base):.2f}x" if base else "1.00x | 1.00x"
+        print(f"| {label} | {t:.0f} | {m:.0f} | {r} |")
+if peer == "system":
+    table("PyTorch (machine's python3-torch), explicit attention on both sides", [
+        ("PyTorch single", "torch_single", None),
         ("dtrain single, standard loss", "dtrain_single_std", "torch_single"),
         ("dtrain single, fused loss (default)", "dtrain_single", "torch_single"),
         ("PyTorch DDP, 2 ranks", "torch_ddp", None),
         ("dtrain ddp, 2 ranks, standard loss", "dtrain_ddp_std", "torch_ddp"),
         ("dtrain ddp, 2 ranks, fused loss (default)", "dtrain_ddp", "torch_ddp"),
-        ("dtrain fsdp, 2 ranks, fused loss (default)", "dtrain_fsdp", "torch_ddp")]
-for label, name, base in rows:
-    t, m = med(name, "tokens_per_s"), peak(name)
-    r = f"{t/med(base,'tokens_per_s'):.2f}x | {m/peak(base):.2f}x" if base else "1.00x | 1.00x"
-    print(f"| {label} | {t:.0f} | {m:.0f} | {r} |")
+        ("dtrain fsdp, 2 ranks, fused loss (default)", "dtrain_fsdp", "torch_ddp")])
+else:
+    table("Like for like: PyTorch 2.6 vs dtrain on LibTorch 2.6, --loss standard, fused attention (SDPA) on both sides", [
+        ("PyTorch single", "torch_single", None),
+        ("dtrain single, standard loss", "dtrain_single_std", "torch_single"),
+        ("PyTorch DDP, 2 ranks", "torch_ddp", None),
+        ("dtrain ddp, 2 ranks, standard loss", "dtrain_ddp_std", "torch_ddp"),
+        ("PyTorch FSDP1 (full shard, unit per block), 2 ranks", "torch_fsdp", None),
+        ("dtrain fsdp, 2 ranks, standard loss", "dtrain_fsdp_std", "torch_fsdp")])
+    table("Whole example: dtrain's defaults (fused LM-head loss) vs the same PyTorch 2.6 runs", [
+        ("dtrain single (default)", "dtrain_single", "torch_single"),
+        ("dtrain ddp, 2 ranks (default)", "dtrain_ddp", "torch_ddp"),
+        ("dtrain fsdp, 2 ranks (default)", "dtrain_fsdp", "torch_fsdp")])
 PY

@@ -2,11 +2,14 @@
 # dtrain's dependencies and the peer, Debian's python3-torch (PyTorch 1.13, run with
 # /usr/bin/python3), if they are missing, and makes OpenMP threads sleep when idle (spinning
 # threads distort timings on shared cores).
-"$root/scripts/install-deps.sh"
-if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-  sudo_cmd=""
-  [ "$(id -u)" -ne 0 ] && sudo_cmd=sudo
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
+# Inside scripts/chroot.sh's trixie root (PEER_IN_ROOT) the root has them by construction.
+if [ -z "${PEER_IN_ROOT:-}" ]; then
+  "$root/scripts/install-deps.sh"
+  if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    sudo_cmd=""
+    [ "$(id -u)" -ne 0 ] && sudo_cmd=sudo
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq python3-torch >/dev/null
+  fi
 fi
 # OMP_WAIT_POLICY=default runs both sides with libgomp's own default instead (idle threads
 # spin for a while before they sleep), which favours a single process using every core.

@@ -4,15 +4,20 @@
 Trains the same GPT-2 shape as `gpt2_train --model tiny` (4 layers, 4 heads, dim 256,
 ctx 128, vocab 50257, tied head, pre-LayerNorm, GELU tanh, GPT-2 init) on synthetic
 tokens with AdamW (betas 0.9/0.95, weight decay 0.1) and gradient clipping at 1.0, either
-in one process (--nproc 1) or with DistributedDataParallel over Gloo (--nproc N, one
-process per rank started with the 'spawn' method). Threads per rank = cores / ranks, as
+in one process (--nproc 1) or over Gloo (--nproc N, one process per rank started with the
+'spawn' method) with DistributedDataParallel (--strategy ddp) or, PyTorch 2.x, FSDP
+(--strategy fsdp: FullyShardedDataParallel, FULL_SHARD, one unit per block plus the root,
+device_id cpu; PyTorch 2.6's fully_shard (FSDP2) fails on CPU with "'Stream' object has no
+attribute 'record_event'", so the CPU FSDP peer is FSDP1). --attention explicit: matmul, mask,
+softmax, matmul (what PyTorch 1.13 offers); sdpa: F.scaled_dot_product_attention (2.x). Threads per rank = cores / ranks, as
 dtrain's trainer does. Writes one JSON line per step (rank 0): tokens_per_s, step_time_s,
 peak_rss_mib (max over ranks).
 With --profile_out (rank 0), torch.autograd.profiler.profile() records --profile_steps steps
 after the first 5 (the same RecordFunction events as gpt2_train --profile_out, see
 examples/gpt2/op_profile.h) and writes per operator name calls, self and total CPU time as
 JSON: {"steps", "wall_s", "ops": [{"name", "calls", "self_s", "total_s"}, ...]}.
-Needs Debian's python3-torch (run with /usr/bin/python3).
+Needs Debian's python3-torch (run with /usr/bin/python3): bookworm's 1.13 or, inside
+scripts/chroot.sh's trixie root, 2.6.
 """
 import argparse, contextlib, json, math, os, resource, time
 
@@ -24,9 +29,10 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, sdpa):
         super().__init__()
         self.heads = heads
+        self.sdpa = sdpa
         self.ln_1 = nn.LayerNorm(dim)
         self.c_attn = nn.Linear(dim, 3 * dim)
         self.c_proj = nn.Linear(dim, dim)
@@ -38,20 +44,24 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
-        att = att.masked_fill(mask, float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)
+            mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+            att = att.masked_fill(mask, float("-inf")).softmax(-1)
+            y = att @ v
+        y = y.transpose(1, 2).reshape(B, T, C)
         x = x + self.c_proj(y)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, ctx, layers, heads, dim):
+    def __init__(self, vocab, ctx, layers, heads, dim, sdpa=False):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(ctx, dim)
-        self.h = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.h = nn.ModuleList(Block(dim, heads, sdpa) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         for name, p in self.named_parameters():
             if p.dim() >= 2:
@@ -106,10 +116,19 @@ def run(rank, args):
     if world > 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(args.port))
+        # Debian's PyTorch 2.x is built without libuv, which its TCPStore uses by default.
+        os.environ.setdefault("USE_LIBUV", "0")
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(1)
-    model = GPT(50257, 128, 4, 4, 256)
-    if world > 1:
+    model = GPT(50257, 128, 4, 4, 256, sdpa=args.attention == "sdpa")
+    fsdp = world > 1 and args.strategy == "fsdp"
+    if fsdp:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        model = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy.FULL_SHARD,
+                                         auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                         device_id=torch.device("cpu"))
+    elif world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -129,7 +148,10 @@ def run(rank, args):
             logits = model(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if fsdp:
+                model.clip_grad_norm_(1.0)  # the norm over every rank's shards
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             loss_value = loss.item()
             dt = time.perf_counter() - t0
@@ -163,6 +185,10 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
+                   help="with --nproc > 1: DistributedDataParallel or FullyShardedDataParallel")
+    p.add_argument("--attention", choices=["explicit", "sdpa"], default="explicit",
+                   help="explicit matmul-softmax-matmul, or F.scaled_dot_product_attention")
     p.add_argument("--metrics_out", required=True)
     p.add_argument("--profile_out", default="",
                    help="rank 0: per-operator profile (JSON) of --profile_steps steps after "

@@ -9,7 +9,10 @@ find_package(Threads REQUIRED)
 # Abseil flags: the command lines of dtrain-run and the benchmarks (src/cli), and the examples'.
 find_package(absl REQUIRED)
 
-# LibTorch's flags (the C++ ABI switch) must match ours in every TU.
+# LibTorch's flags (the C++ ABI switch) must match ours in every TU, and the other C++
+# libraries' too: refuse a LibTorch whose ABI they do not share (cmake/DtrainTorchChecks.cmake).
+include(DtrainTorchChecks)
+dtrain_check_torch_abi()
 string(APPEND CMAKE_CXX_FLAGS " ${TORCH_CXX_FLAGS}")
 
 set(DTRAIN_HAS_NCCL OFF)
@@ -18,8 +21,53 @@ if(NOT DTRAIN_WITH_NCCL STREQUAL "OFF")
     set(CUDAToolkit_ROOT /usr/local/cuda)
   endif()
   find_package(CUDAToolkit QUIET)
-  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} $ENV{NCCL_HOME}/include)
+  # A CUDA LibTorch that loads NCCL itself decides which NCCL dtrain uses: one NCCL runtime
+  # per process (two would each keep their own communicators, threads and CUDA state).
+  dtrain_torch_nccl(torch_nccl)
+  if(torch_nccl STREQUAL "STATIC")
+    message(FATAL_ERROR
+      "dtrain: LibTorch's libtorch_cuda.so carries its own NCCL (it exports "
+      "ncclCommInitRank and needs no libnccl), so a NCCL library linked by dtrain would be a "
+      "second NCCL runtime in the process. Configure with -DDTRAIN_WITH_NCCL=OFF (dtrain's "
+      "Gloo backend), or use a LibTorch that links libnccl.so dynamically (Python's torch, "
+      "Debian's libtorch-cuda). See docs/libtorch.md.")
+  endif()
+  set(torch_nccl_include "")
+  if(torch_nccl)
+    get_filename_component(torch_nccl_dir "${torch_nccl}" DIRECTORY)
+    set(torch_nccl_include "${torch_nccl_dir}/../include")  # Python's nvidia/nccl/{lib,include}
+  endif()
+  find_path(NCCL_INCLUDE_DIR nccl.h
+    HINTS ${torch_nccl_include} ${CUDAToolkit_INCLUDE_DIRS} $ENV{NCCL_HOME}/include)
+  if(torch_nccl AND NOT NCCL_LIBRARY)
+    set(NCCL_LIBRARY "${torch_nccl}" CACHE FILEPATH "NCCL library (LibTorch's own)")
+  endif()
   find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} $ENV{NCCL_HOME}/lib)
+  if(torch_nccl AND NCCL_LIBRARY)
+    get_filename_component(torch_nccl_real "${torch_nccl}" REALPATH)
+    get_filename_component(dtrain_nccl_real "${NCCL_LIBRARY}" REALPATH)
+    if(NOT torch_nccl_real STREQUAL dtrain_nccl_real)
+      message(FATAL_ERROR
+        "dtrain: two NCCL libraries. LibTorch loads ${torch_nccl} (${torch_nccl_real}) but "
+        "dtrain would link NCCL_LIBRARY=${NCCL_LIBRARY} (${dtrain_nccl_real}); one process "
+        "must have one NCCL. Remove NCCL_LIBRARY (dtrain then uses LibTorch's) or set it to "
+        "${torch_nccl}. See docs/libtorch.md.")
+    endif()
+  endif()
+  # nccl.h must describe the library linked: compare the header's version with the one in
+  # the library's file name where it has one (libnccl.so.2.22.3).
+  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+    get_filename_component(nccl_real "${NCCL_LIBRARY}" REALPATH)
+    file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" nccl_defs REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) ")
+    string(REGEX REPLACE ".*NCCL_MAJOR ([0-9]+).*NCCL_MINOR ([0-9]+).*NCCL_PATCH ([0-9]+).*"
+           "\\1.\\2.\\3" nccl_header_version "${nccl_defs}")
+    if(nccl_real MATCHES "libnccl\\.so\\.([0-9]+\\.[0-9]+\\.[0-9]+)$"
+       AND NOT CMAKE_MATCH_1 STREQUAL nccl_header_version)
+      message(FATAL_ERROR
+        "dtrain: ${NCCL_INCLUDE_DIR}/nccl.h is NCCL ${nccl_header_version} but the library is "
+        "${nccl_real} (${CMAKE_MATCH_1}). Set NCCL_INCLUDE_DIR to the headers of that NCCL.")
+    endif()
+  endif()
   if(CUDAToolkit_FOUND AND NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
     set(DTRAIN_HAS_NCCL ON)
     if(NOT TARGET dtrain_nccl_imported)
@@ -37,3 +85,22 @@ if(NOT DTRAIN_WITH_NCCL STREQUAL "OFF")
 endif()
 
 set(DTRAIN_WARNINGS -Wall -Wextra)
+# CI turns warnings in dtrain's own targets into errors (scripts/test.sh, scripts/ci-legs.sh).
+# Dependencies' headers come in through imported targets as -isystem, so they do not count.
+if(DTRAIN_WERROR)
+  list(APPEND DTRAIN_WARNINGS -Werror)
+endif()
+
+# GCC 14 at -O2/-O3 reports a false -Warray-bounds ("forming offset 8 is out of the bounds
+# [0, 8]") and -Wstringop-overflow ("writing between 9 and 9223372036854775807 bytes into a
+# region of size 8") inside libstdc++'s vector<bool>::reserve, inlined through LibTorch 2.x's
+# torch::autograd::Function<T>::apply (custom_function.h) into each file that calls apply.
+# The inlining makes it count as ours although no line of ours indexes anything, and a
+# pragma at the call site does not reach it, so those files (only) build without these two
+# warnings on GCC 14 and later. Call from the directory that adds the files.
+function(dtrain_no_false_array_bounds)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_GREATER_EQUAL 14)
+    set_property(SOURCE ${ARGN} APPEND PROPERTY COMPILE_OPTIONS
+                 -Wno-array-bounds -Wno-stringop-overflow)
+  endif()
+endfunction()

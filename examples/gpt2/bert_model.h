@@ -5,11 +5,14 @@
 // a torch::nn::Sequential, a final LayerNorm, and an MLM head tied to the token embedding
 // (logits = hidden @ tok_embed^T; no parameter of its own).
 //
-// The layers are stock modules reached only through Sequential::forward, and
-// FullyShardedDataParallel makes each of them a unit with
-// wrap_modules_named("TransformerEncoderLayer") and no model edit (see dtrain/fsdp.h). Only
-// activation checkpointing (BertConfig::activation_checkpointing) calls the layers one by
-// one, each recompute inside dtrain::unit_call, as GPT-2's blocks do.
+// FullyShardedDataParallel makes each layer a unit with
+// wrap_modules_named("TransformerEncoderLayer"). With BertConfig::fused_attention off the
+// layers are stock modules reached only through Sequential::forward, and FSDP needs no model
+// edit (see dtrain/fsdp.h). With it on (the default) each layer's forward is computed from the
+// stock layer's own parameters with the attention through ATen's fused kernel
+// (at::scaled_dot_product_attention; LibTorch's C++ MultiheadAttention never uses it), and the
+// layers are called one by one inside dtrain::unit_call, as GPT-2's blocks are; so is every
+// recompute of activation checkpointing (BertConfig::activation_checkpointing).
 //
 // Parameter names: "tok_embed.weight", "pos_embed.weight", "layers.3.self_attn.in_proj_weight",
 // "layers.3.linear1.weight", "layers.3.norm2.bias", ..., "ln_f.weight".
@@ -43,6 +46,10 @@ struct BertConfig {
   // Recompute every layer's forward during backward instead of keeping its activations
   // (dtrain::checkpoint): only the layers' inputs stay alive, for one more forward's time.
   bool activation_checkpointing = false;
+  // Attention through ATen's fused kernel where the LibTorch has one (2.x; the explicit one
+  // on 1.13), in dtrain's forward of each stock layer; false: the stock layers' own forward.
+  // The same function either way (tests/bert_model_test.cpp compares them).
+  bool fused_attention = true;
 
   // Throws dtrain::InvalidArgument when a dimension is not positive, dim % heads != 0 or
   // dropout is outside [0, 1).

@@ -6,10 +6,10 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
-#include <limits>
 
 #include <fmt/format.h>
 
+#include "compat/attention.h"
 #include "dtrain/activation_checkpoint.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
@@ -96,8 +96,9 @@ int64_t count_parameters(const GptConfig& c) {
   return c.vocab_size * d + c.context * d + c.layers * block + 2 * d;
 }
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t heads)
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t dim, int64_t heads, bool fused)
     : heads(heads),
+      fused(fused),
       c_attn(register_module("c_attn", torch::nn::Linear(dim, 3 * dim))),
       c_proj(register_module("c_proj", torch::nn::Linear(dim, dim))) {}
 
@@ -106,12 +107,11 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   auto qkv = linear(x, c_attn).split(C, -1);
   auto to_heads = [&](const at::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
   at::Tensor q = to_heads(qkv[0]), k = to_heads(qkv[1]), v = to_heads(qkv[2]);
-  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
-  at::Tensor future = at::ones({T, T}, x.options().dtype(at::kBool)).triu(1);
-  att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
-  // Softmax in fp32 even when the model computes in bf16 (FSDP mixed precision).
-  att = at::softmax(att, -1, at::kFloat).to(v.scalar_type());
-  at::Tensor y = at::matmul(att, v).transpose(1, 2).reshape({B, T, C});
+  // Either way the softmax runs in fp32 even when the model computes in bf16 (FSDP mixed
+  // precision): the fused kernels accumulate in fp32 too.
+  at::Tensor y = fused ? dtrain::compat::fused_attention(q, k, v, c10::nullopt, /*causal=*/true)
+                       : dtrain::compat::explicit_attention(q, k, v, c10::nullopt, /*causal=*/true);
+  y = y.transpose(1, 2).reshape({B, T, C});
   return linear(y, c_proj);
 }
 
@@ -123,9 +123,9 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) {
   return linear(at::gelu(linear(x, c_fc), "tanh"), c_proj);
 }
 
-BlockImpl::BlockImpl(int64_t dim, int64_t heads)
+BlockImpl::BlockImpl(int64_t dim, int64_t heads, bool fused_attention)
     : ln_1(register_module("ln_1", layer_norm(dim))),
-      attn(register_module("attn", CausalSelfAttention(dim, heads))),
+      attn(register_module("attn", CausalSelfAttention(dim, heads, fused_attention))),
       ln_2(register_module("ln_2", layer_norm(dim))),
       mlp(register_module("mlp", Mlp(dim))) {}
 
@@ -141,7 +141,7 @@ GptImpl::GptImpl(const GptConfig& config)
   wpe = register_module("wpe", torch::nn::Embedding(config_.context, config_.dim));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.layers; ++i) {
-    blocks.push_back(Block(config_.dim, config_.heads));
+    blocks.push_back(Block(config_.dim, config_.heads, config_.fused_attention));
     h->push_back(blocks.back());
   }
   ln_f = register_module("ln_f", layer_norm(config_.dim));

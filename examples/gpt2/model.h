@@ -33,6 +33,10 @@ struct GptConfig {
   // Recompute every block's forward during backward instead of keeping its activations
   // (dtrain::checkpoint): only the blocks' inputs stay alive, for one more forward's time.
   bool activation_checkpointing = false;
+  // Attention through ATen's fused kernel (at::scaled_dot_product_attention) where the
+  // LibTorch has one (2.x); false, or on 1.13: the explicit matmul, causal mask, fp32
+  // softmax, matmul. The same function either way (tests/model_test.cpp compares them).
+  bool fused_attention = true;
 
   // Throws dtrain::InvalidArgument when a dimension is not positive or dim % heads != 0.
   void validate() const;
@@ -52,11 +56,13 @@ std::vector<std::string> preset_names();
 int64_t count_parameters(const GptConfig& config);
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
-  CausalSelfAttentionImpl(int64_t dim, int64_t heads);
+  // fused: GptConfig::fused_attention.
+  CausalSelfAttentionImpl(int64_t dim, int64_t heads, bool fused = true);
   // x: [B, T, dim] -> [B, T, dim]; position t attends to positions <= t.
   at::Tensor forward(const at::Tensor& x);
 
   int64_t heads;
+  bool fused;
   torch::nn::Linear c_attn;  // q, k, v projections in one matrix: dim -> 3 * dim
   torch::nn::Linear c_proj;  // output (residual) projection
 };
@@ -72,7 +78,7 @@ struct MlpImpl : torch::nn::Module {
 TORCH_MODULE(Mlp);
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t dim, int64_t heads);
+  BlockImpl(int64_t dim, int64_t heads, bool fused_attention = true);
   at::Tensor forward(const at::Tensor& x);  // x + attn(ln_1(x)), then + mlp(ln_2(.))
 
   torch::nn::LayerNorm ln_1;

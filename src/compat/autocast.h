@@ -1,10 +1,18 @@
-// Autocast (ATen's automatic mixed precision) state, read and set in one place: 2.x renamed
-// the per-device functions (is_autocast_enabled(DeviceType), ...) and deprecated the 1.13
-// names used here, which both releases still provide.
+// Autocast (ATen's automatic mixed precision) state, read and set in one place: LibTorch 2.4
+// added per-device functions (is_autocast_enabled(DeviceType), get_autocast_dtype(DeviceType),
+// ...) and deprecated the per-device names of 1.13 (is_cpu_enabled(), ...), which 1.13 to 2.3
+// offer alone.
 #pragma once
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/ScalarType.h>
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define DTRAIN_AUTOCAST_BY_DEVICE_TYPE 1
+#else
+#define DTRAIN_AUTOCAST_BY_DEVICE_TYPE 0
+#endif
 
 namespace dtrain::compat {
 
@@ -15,17 +23,31 @@ struct AutocastState {
 
   static AutocastState current() {
     AutocastState s;
+#if DTRAIN_AUTOCAST_BY_DEVICE_TYPE
+    s.cpu = at::autocast::is_autocast_enabled(c10::DeviceType::CPU);
+    s.cuda = at::autocast::is_autocast_enabled(c10::DeviceType::CUDA);
+    s.cpu_dtype = at::autocast::get_autocast_dtype(c10::DeviceType::CPU);
+    s.cuda_dtype = at::autocast::get_autocast_dtype(c10::DeviceType::CUDA);
+#else
     s.cpu = at::autocast::is_cpu_enabled();
     s.cuda = at::autocast::is_enabled();
     s.cpu_dtype = at::autocast::get_autocast_cpu_dtype();
     s.cuda_dtype = at::autocast::get_autocast_gpu_dtype();
+#endif
     return s;
   }
   void apply() const {
+#if DTRAIN_AUTOCAST_BY_DEVICE_TYPE
+    at::autocast::set_autocast_enabled(c10::DeviceType::CPU, cpu);
+    at::autocast::set_autocast_enabled(c10::DeviceType::CUDA, cuda);
+    at::autocast::set_autocast_dtype(c10::DeviceType::CPU, cpu_dtype);
+    at::autocast::set_autocast_dtype(c10::DeviceType::CUDA, cuda_dtype);
+#else
     at::autocast::set_cpu_enabled(cpu);
     at::autocast::set_enabled(cuda);
     at::autocast::set_autocast_cpu_dtype(cpu_dtype);
     at::autocast::set_autocast_gpu_dtype(cuda_dtype);
+#endif
   }
 };
 

@@ -274,10 +274,12 @@ TEST_P(StepFailures, EveryRankDropsTheStepAndTrainingGoesOn) {
         int64_t bytes_before = 0;
         for (int s = 0; s < kSteps; ++s) {
           const bool inject = s == kFailStep && fails;
-          if (s == kFailStep) bytes_before = strategy->model_state_bytes();
           at::Tensor x = data[s].x.narrow(0, r * kLocalBatch, kLocalBatch);
           at::Tensor y = data[s].y.narrow(0, r * kLocalBatch, kLocalBatch);
+          // The release's own zero_grad(): zeroes in place (1.13) or resets to undefined (2.x),
+          // and a failed step must leave either as it found it. The step starts after it.
           opt->zero_grad();
+          if (s == kFailStep) bytes_before = strategy->model_state_bytes();
           try {
             if (fc.eval && s == kFailStep) {
               c10::NoGradGuard no_grad;

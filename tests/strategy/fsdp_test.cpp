@@ -250,7 +250,9 @@ TEST(FsdpAccumulation, OneReductionPerUnitPerOptimizerStep) {
         }
       }
       for (int step = 0; step < 2; ++step) {
-        opt->zero_grad();
+        // In place (1.13's zero_grad), so that the shards' .grad made by step 0 stays and the
+        // model state before the step and after its synced backward are the same.
+        zero_grad_in_place(*opt);
         at::Tensor x = data[step].x.narrow(0, r * kLocalBatch, kLocalBatch);
         at::Tensor y = data[step].y.narrow(0, r * kLocalBatch, kLocalBatch);
         auto micro = [&](int64_t from, int64_t n) {

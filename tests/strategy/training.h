@@ -35,7 +35,7 @@ struct Case {
   bool accumulate = false;  // two micro-batches per step, the first under no_sync()
   bool skip_extra = false;  // the MLP's extra branch is used on even steps only
   bool find_unused = false;
-  bool set_to_none = false;  // reset .grad to undefined instead of zeroing (2.x zero_grad)
+  bool set_to_none = false;  // reset .grad to undefined (2.x zero_grad) instead of zeroing (1.13)
   double clip = 0;           // clip_grad_norm(clip) before each step when > 0
   double rtol = 1e-5;
   double atol = 1e-6;
@@ -90,6 +90,20 @@ inline std::unique_ptr<torch::optim::Optimizer> make_opt(Opt o, std::vector<at::
       params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-4));
 }
 
+// Zeroes every gradient the optimizer holds in place, keeping it defined: LibTorch 1.13's
+// Optimizer::zero_grad(). From 2.0 zero_grad() resets gradients to undefined by default
+// instead (what Case::set_to_none does); tests whose expectation depends on which of the two
+// happened say which one they mean with this function or with a reset.
+inline void zero_grad_in_place(torch::optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      p.mutable_grad().detach_();
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
 // Trains with `strategy` on rows [row0, row0 + rows) of each global batch. `accumulating`: the
 // strategy under test, which with c.accumulate runs each step as two micro-batches, the first
 // under its no_sync(); null (the single-device reference): one batch per step.
@@ -104,7 +118,7 @@ inline void train(const Case& c, Strategy& strategy, torch::nn::Module& module,
     if (c.set_to_none) {
       for (auto& p : strategy.parameters()) p.mutable_grad().reset();
     } else {
-      opt->zero_grad();
+      zero_grad_in_place(*opt);
     }
     if (c.accumulate && accumulating != nullptr) {
       const int64_t half = rows / 2;

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "checkpoint/safetensors.h"
+#include "compat/attention.h"
 #include "dtrain/errors.h"
 #include "hf_weights.h"
 #include "model.h"
@@ -113,6 +114,117 @@ TEST(GptModel, AttentionIsCausal) {
   at::Tensor la = model->forward(a), lb = model->forward(b);
   EXPECT_TRUE(at::allclose(la.narrow(1, 0, 7), lb.narrow(1, 0, 7), 1e-5, 1e-6));
   EXPECT_FALSE(at::allclose(la.narrow(1, 7, 1), lb.narrow(1, 7, 1), 1e-5, 1e-6));
+}
+
+// Attention written independently of src/compat/attention.h, in double: every query row
+// takes the softmax over exactly the keys it may see (key j <= i when causal, and j < len[b]
+// for a padded batch), gathered by index, so a wrong mask shows up as a different result.
+at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               bool causal, const std::vector<int64_t>& len) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), d = q.size(3);
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = 0; i < T; ++i) {
+        std::vector<int64_t> keys;
+        for (int64_t j = 0; j < T; ++j) {
+          if ((!causal || j <= i) && j < len[b]) keys.push_back(j);
+        }
+        at::Tensor idx = at::tensor(keys, at::kLong);
+        at::Tensor kk = k[b][h].index_select(0, idx), vv = v[b][h].index_select(0, idx);
+        at::Tensor s = at::mv(kk, q[b][h][i]) / std::sqrt(static_cast<double>(d));
+        at::Tensor p = at::exp(s - s.max());
+        rows.push_back(at::mv(vv.t(), p / p.sum()));
+      }
+    }
+  }
+  return at::stack(rows).view({B, H, T, v.size(3)});
+}
+
+struct AttentionGrads {
+  at::Tensor out, dq, dk, dv;
+};
+
+// The output and the gradients of sum(out * w) with respect to q, k and v.
+template <typename Fn>
+AttentionGrads attention_grads(Fn fn, const at::Tensor& q0, const at::Tensor& k0,
+                               const at::Tensor& v0, const at::Tensor& w) {
+  at::Tensor q = q0.detach().requires_grad_(), k = k0.detach().requires_grad_(),
+             v = v0.detach().requires_grad_();
+  at::Tensor out = fn(q, k, v);
+  (out * w.to(out.scalar_type())).sum().backward();
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+// Both compat paths (ATen's fused kernel on 2.x, the explicit fallback always) against the
+// reference, in fp32: the fp32 results may differ from the double reference by round-off
+// only, bounded here by rtol 1e-5 and atol 1e-6 for outputs and gradients alike.
+TEST(Attention, FusedAndExplicitMatchAReferenceWithCausalAndPaddingMasks) {
+  at::manual_seed(5);
+  const int64_t B = 2, H = 3, T = 7, d = 8;
+  at::Tensor q = at::randn({B, H, T, d}), k = at::randn({B, H, T, d}), v = at::randn({B, H, T, d});
+  at::Tensor w = at::randn({B, H, T, d});
+  const std::vector<int64_t> full{T, T}, padded{T, 4};
+  // Keys past each sequence's length are padding: [B, 1, 1, T], true where a key is real.
+  at::Tensor attend = at::arange(T).view({1, 1, 1, T}) < at::tensor(padded).view({B, 1, 1, 1});
+  for (const bool causal : {false, true}) {
+    for (const bool pad : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "causal " << causal << ", padding " << pad);
+      const c10::optional<at::Tensor> mask = pad ? c10::optional<at::Tensor>(attend) : c10::nullopt;
+      const auto want = attention_grads(
+          [&](auto& a, auto& b, auto& c) {
+            return reference_attention(a, b, c, causal, pad ? padded : full);
+          },
+          q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), w);
+      const auto fused = attention_grads(
+          [&](auto& a, auto& b, auto& c) {
+            return dtrain::compat::fused_attention(a, b, c, mask, causal);
+          },
+          q, k, v, w);
+      const auto expl = attention_grads(
+          [&](auto& a, auto& b, auto& c) {
+            return dtrain::compat::explicit_attention(a, b, c, mask, causal);
+          },
+          q, k, v, w);
+      for (const auto* got : {&fused, &expl}) {
+        const char* which = got == &fused ? "fused" : "explicit";
+        EXPECT_TRUE(at::allclose(got->out.to(at::kDouble), want.out, 1e-5, 1e-6)) << which;
+        EXPECT_TRUE(at::allclose(got->dq.to(at::kDouble), want.dq, 1e-5, 1e-6)) << which << " dq";
+        EXPECT_TRUE(at::allclose(got->dk.to(at::kDouble), want.dk, 1e-5, 1e-6)) << which << " dk";
+        EXPECT_TRUE(at::allclose(got->dv.to(at::kDouble), want.dv, 1e-5, 1e-6)) << which << " dv";
+      }
+    }
+  }
+}
+
+// The model with fused attention (at::scaled_dot_product_attention on LibTorch 2.x) and with
+// the explicit one: the same loss and gradients from the same weights. fp32 tolerance: loss
+// rtol 1e-6; every gradient rtol 1e-4, atol 1e-6 (the kernels sum in different orders).
+TEST(GptModel, FusedAndExplicitAttentionGiveTheSameLossAndGradients) {
+  GptConfig c = small();
+  std::vector<std::pair<double, std::vector<at::Tensor>>> runs;
+  for (const bool fused : {true, false}) {
+    c.fused_attention = fused;
+    at::manual_seed(3);
+    Gpt model(c);
+    at::manual_seed(4);
+    at::Tensor idx = at::randint(61, {3, 16}, at::kLong);
+    at::Tensor targets = at::randint(61, {3, 16}, at::kLong);
+    at::Tensor loss = model->loss(idx, targets, /*fused=*/false);
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+    runs.emplace_back(loss.item<double>(), grads);
+  }
+  EXPECT_NEAR(runs[0].first, runs[1].first, 1e-6 * std::abs(runs[1].first));
+  const auto names = Gpt(c)->named_parameters().keys();
+  ASSERT_EQ(runs[0].second.size(), runs[1].second.size());
+  for (size_t i = 0; i < runs[0].second.size(); ++i) {
+    const at::Tensor& a = runs[0].second[i];
+    const at::Tensor& b = runs[1].second[i];
+    EXPECT_TRUE(at::allclose(a, b, 1e-4, 1e-6))
+        << names[i] << ": max |diff| " << (a - b).abs().max().item<double>();
+  }
 }
 
 TEST(GptModel, Gpt2Initialization) {

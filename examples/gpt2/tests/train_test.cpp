@@ -643,7 +643,7 @@ TEST(TrainerErrors, BadLossScaleIsRefused) {
 // What cannot apply to BERT is refused before any rank starts, with the reason.
 TEST(TrainerErrors, BertRefusesGpt2WeightFiles) {
   const std::string file = temp_path("bert.safetensors");
-  for (const std::string flag : {"--export=" + file, "--init_from=" + file}) {
+  for (const std::string& flag : {"--export=" + file, "--init_from=" + file}) {
     RunResult r = run_trainer(
         "bert_refused",
         with(common_args(), {"--model=bert-tiny", flag, "--strategy=fsdp", "--nproc=2"}));
