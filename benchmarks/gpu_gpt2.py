@@ -20,7 +20,7 @@ FLOPs per token of the matmuls (6N) and of attention's scores and weighted sum (
 as in PaLM's appendix B), over the GPU's dense bf16 peak (H100 SXM and H200: 989 TFLOP/s).
 Only `torch` needs PyTorch; `report` and `compare` run anywhere.
 """
-import argparse, json, math, statistics, sys, time
+import argparse, json, math, os, statistics, sys, time
 
 
 def read_steps(path):
@@ -85,53 +85,16 @@ def cmd_compare(a):
 
 def cmd_torch(a):
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
 
-    class Block(nn.Module):
-        def __init__(self, dim, heads):
-            super().__init__()
-            self.heads = heads
-            self.ln_1 = nn.LayerNorm(dim)
-            self.c_attn = nn.Linear(dim, 3 * dim)
-            self.c_proj = nn.Linear(dim, dim)
-            self.ln_2 = nn.LayerNorm(dim)
-            self.c_fc = nn.Linear(dim, 4 * dim)
-            self.mlp_proj = nn.Linear(4 * dim, dim)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(self, vocab, ctx, layers, heads, dim):
-            super().__init__()
-            self.wte = nn.Embedding(vocab, dim)
-            self.wpe = nn.Embedding(ctx, dim)
-            self.h = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-            self.ln_f = nn.LayerNorm(dim)
-            for name, p in self.named_parameters():
-                if p.dim() >= 2:
-                    last = name.endswith(("c_proj.weight", "mlp_proj.weight"))
-                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers) if last else 0.02)
-                elif name.endswith("bias"):
-                    nn.init.zeros_(p)
-
-        def forward(self, idx):
-            pos = torch.arange(idx.size(1), device=idx.device)
-            x = self.wte(idx) + self.wpe(pos)
-            for b in self.h:
-                x = b(x)
-            return F.linear(self.ln_f(x), self.wte.weight)
+    # The same model code as the CPU peer comparison (GPT-2 with fused attention).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from peer_pytorch_gpt2 import GPT
 
     dev = torch.device("cuda", 0)
     torch.manual_seed(1)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = GPT(a.vocab, a.ctx, a.layers, a.heads, a.dim).to(dev)
+    model = GPT(a.vocab, a.ctx, a.layers, a.heads, a.dim, sdpa=True).to(dev)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)

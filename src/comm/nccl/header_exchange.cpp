@@ -27,20 +27,8 @@ HeaderExchange::HeaderExchange(const ncclUniqueId& id, int rank, int world_size,
   check_cuda(cudaHostAlloc(&h, bytes, cudaHostAllocDefault), ctx, "cudaHostAlloc");
   host_headers_.reset(h);
 
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  ncclComm_t comm = nullptr;
-  ncclResult_t status = ncclCommInitRankConfig(&comm, world_size, id, rank, &config);
-  if (comm != nullptr) status = settle(comm, status, join_deadline);
-  if (status != ncclSuccess) {
-    const std::string reason = nccl_reason(status, comm);
-    if (comm != nullptr) (void)ncclCommAbort(comm);
-    if (status == ncclInProgress) {
-      throw TimeoutError(ctx, "not every rank joined the NCCL header communicator in time");
-    }
-    throw CommError(ctx, "ncclCommInitRankConfig (headers) failed: " + reason);
-  }
-  comm_ = comm;
+  comm_ = init_nonblocking_comm(world_size, id, rank, join_deadline, ctx,
+                                 "NCCL header communicator");
 }
 
 HeaderExchange::~HeaderExchange() {

@@ -32,21 +32,7 @@ NcclComm::NcclComm(const ncclUniqueId& id, int rank, int world_size, int device,
   check_cuda(cudaMalloc(&buffer, sizeof(float)), ctx, "cudaMalloc");
   barrier_buffer_.reset(buffer);
 
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  ncclComm_t comm = nullptr;
-  ncclResult_t status = ncclCommInitRankConfig(&comm, world_size, id, rank, &config);
-  if (comm != nullptr) status = settle(comm, status, join_deadline);
-  if (status != ncclSuccess) {
-    const std::string reason = nccl_reason(status, comm);
-    // Also ends NCCL's bootstrap, which would otherwise keep waiting for the missing ranks.
-    if (comm != nullptr) (void)ncclCommAbort(comm);
-    if (status == ncclInProgress) {
-      throw TimeoutError(ctx, "not every rank joined the NCCL communicator in time");
-    }
-    throw CommError(ctx, "ncclCommInitRankConfig failed: " + reason);
-  }
-  comm_ = comm;
+  comm_ = init_nonblocking_comm(world_size, id, rank, join_deadline, ctx, "NCCL communicator");
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
 

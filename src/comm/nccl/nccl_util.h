@@ -80,6 +80,28 @@ inline ncclResult_t settle(ncclComm_t comm, ncclResult_t status, Clock::time_poi
   return status;
 }
 
+// Joins a non-blocking NCCL communicator of `world_size` ranks, bounded by `join_deadline`.
+// A failure aborts what was made (which also ends NCCL's bootstrap, otherwise left waiting
+// for the missing ranks) and throws TimeoutError or CommError naming `what`.
+inline ncclComm_t init_nonblocking_comm(int world_size, const ncclUniqueId& id, int rank,
+                                        Clock::time_point join_deadline, const ErrorContext& ctx,
+                                        const std::string& what) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t status = ncclCommInitRankConfig(&comm, world_size, id, rank, &config);
+  if (comm != nullptr) status = settle(comm, status, join_deadline);
+  if (status != ncclSuccess) {
+    const std::string reason = nccl_reason(status, comm);
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    if (status == ncclInProgress) {
+      throw TimeoutError(ctx, "not every rank joined the " + what + " in time");
+    }
+    throw CommError(ctx, "ncclCommInitRankConfig (" + what + ") failed: " + reason);
+  }
+  return comm;
+}
+
 // Throws InvalidArgument for dtypes NCCL has no type for (int16, bool, complex, ...).
 inline ncclDataType_t nccl_type(c10::ScalarType type, const ErrorContext& ctx) {
   switch (type) {
