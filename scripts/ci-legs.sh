@@ -17,6 +17,9 @@
 #         objects use (an undefined one of ours fails the link), it only stops checking the
 #         undefined symbols *inside* the shared libraries (libtorch_cuda.so -> cuDNN). Such
 #         executables cannot start, so this leg ends at the link. There is no GPU here either.
+#         For the same reason GoogleTest's test discovery is moved from build time (it runs
+#         each test binary to list its tests) to ctest time (PRE_TEST), which this leg never
+#         reaches.
 #
 # Ninja keeps going after a failed compile (-k 0), so one run shows every error of a leg.
 # Prints each leg's wall time; ctest's summary gives the test counts. Build directories are
@@ -41,7 +44,8 @@ leg_cuda() {
   "$root/scripts/chroot.sh" run cuda "
     set -euo pipefail
     cmake -S . -B build-trixie-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WERROR=ON \
-      -DDTRAIN_WITH_NCCL=ON '-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined' >/dev/null
+      -DDTRAIN_WITH_NCCL=ON '-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined' \
+      -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST >/dev/null
     cmake --build build-trixie-cuda -j $jobs -- -k 0"
 }
 
