@@ -31,14 +31,10 @@ TEST_P(DataParallelEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
   at::set_num_threads(1);
   const auto data = make_data(c.model, world);
 
-  auto ref_module = make_model(c.model, 7);
-  SingleDevice single(ref_module);
-  train(c, single, *ref_module, data, 0, kLocalBatch * world, nullptr);
-
+  auto ref_module = single_device_reference(c, data, world);
   // Rank 0 starts from the reference's initial weights; the others from different ones,
   // which DataParallel must overwrite with rank 0's.
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (int r = 0; r < world; ++r) modules.push_back(make_model(c.model, r == 0 ? 7 : 100 + r));
+  auto modules = rank_models(c.model, world);
 
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();

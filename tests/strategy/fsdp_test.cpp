@@ -48,12 +48,8 @@ TEST_P(FsdpEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
   c.clip = fc.clip;
   c.accumulate = fc.accumulate;
   const auto data = make_data(c.model, world);
-  auto ref = make_model(c.model, 7);
-  SingleDevice single(ref);
-  train(c, single, *ref, data, 0, kLocalBatch * world, nullptr);  // one big batch
-
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (int r = 0; r < world; ++r) modules.push_back(make_model(c.model, r == 0 ? 7 : 100 + r));
+  auto ref = single_device_reference(c, data, world);  // one big batch
+  auto modules = rank_models(c.model, world);
   const bool hybrid = fc.sharding == ShardingStrategy::kHybridShard;
   run_with_groups(world, hybrid ? world / 2 : 0, [&](Communicator& comm, const HybridGroups& g) {
     const int r = comm.rank();

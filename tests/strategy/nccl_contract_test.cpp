@@ -240,15 +240,8 @@ TEST_P(ContractDataParallel, MatchesSingleDeviceOnTheCpu) {
   const Case c = std::get<1>(GetParam());
   at::set_num_threads(1);
   const auto data = make_data(c.model, world);
-  auto ref = make_model(c.model, 7);
-  SingleDevice single(ref);
-  train(c, single, *ref, data, 0, kLocalBatch * world, nullptr);
-
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (int r = 0; r < world; ++r) {
-    modules.push_back(make_model(c.model, r == 0 ? 7 : 100 + r));
-    modules.back()->to(contract_device());
-  }
+  auto ref = single_device_reference(c, data, world);
+  auto modules = rank_models(c.model, world, contract_device());
   run_contract(world, 0, [&](ContractRank& rk) {
     const int r = rk.comm->rank();
     DataParallelOptions o;
@@ -333,15 +326,8 @@ TEST_P(ContractFsdp, MatchesSingleDeviceOnTheCpu) {
   c.accumulate = fc.accumulate;
   c.clip = fc.clip;
   const auto data = make_data(c.model, world);
-  auto ref = make_model(c.model, 7);
-  SingleDevice single(ref);
-  train(c, single, *ref, data, 0, kLocalBatch * world, nullptr);
-
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (int r = 0; r < world; ++r) {
-    modules.push_back(make_model(c.model, r == 0 ? 7 : 100 + r));
-    modules.back()->to(contract_device());
-  }
+  auto ref = single_device_reference(c, data, world);
+  auto modules = rank_models(c.model, world, contract_device());
   const bool hybrid = fc.sharding == ShardingStrategy::kHybridShard;
   run_contract(
       world, hybrid ? world / 2 : 0,

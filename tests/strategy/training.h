@@ -15,6 +15,7 @@
 
 #include "dtrain/comm_hook.h"
 #include "dtrain/data_parallel.h"
+#include "dtrain/single_device.h"
 #include "dtrain/strategy.h"
 #include "strategy/test_models.h"
 #include "support/check.h"
@@ -156,6 +157,30 @@ inline void expect_same_parameters(const torch::nn::Module& ref, const torch::nn
                  "rank {} parameter {} differs from single-device training: max |diff| {}", rank,
                  item.key(), err);
   }
+}
+
+// The reference every equivalence test compares with: the model of seed 7 trained by
+// SingleDevice on each step's whole global batch of `world` ranks.
+inline std::shared_ptr<torch::nn::Module> single_device_reference(const Case& c,
+                                                                  const std::vector<Batch>& data,
+                                                                  int world) {
+  auto ref = make_model(c.model, 7);
+  SingleDevice single(ref);
+  train(c, single, *ref, data, 0, kLocalBatch * world, nullptr);
+  return ref;
+}
+
+// One model per rank, built before the rank threads start (make_model seeds LibTorch's one
+// global generator): rank 0's equals the reference's initial weights, the others differ,
+// so a strategy must overwrite them with rank 0's.
+inline std::vector<std::shared_ptr<torch::nn::Module>> rank_models(
+    Model m, int world, c10::Device device = c10::Device(c10::kCPU)) {
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (int r = 0; r < world; ++r) {
+    modules.push_back(make_model(m, r == 0 ? 7 : 100 + r));
+    modules.back()->to(device);
+  }
+  return modules;
 }
 
 }  // namespace dtrain::testing
