@@ -38,11 +38,7 @@ TEST_P(DataParallelEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
 
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
-    DataParallelOptions o;
-    o.comm_hook = c.hook ? c.hook() : nullptr;
-    o.find_unused_parameters = c.find_unused;
-    o.bucket_cap_mb = c.bucket_mb;
-    o.first_bucket_cap_mb = c.first_bucket_mb;
+    const DataParallelOptions o = ddp_options(c);
     DataParallel ddp(modules[r], std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
     train(c, ddp, *modules[r], data, r * kLocalBatch, kLocalBatch, &ddp);
     expect_same_parameters(*ref_module, *modules[r], r, c.rtol, c.atol);

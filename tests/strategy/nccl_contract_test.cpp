@@ -244,11 +244,7 @@ TEST_P(ContractDataParallel, MatchesSingleDeviceOnTheCpu) {
   auto modules = rank_models(c.model, world, contract_device());
   run_contract(world, 0, [&](ContractRank& rk) {
     const int r = rk.comm->rank();
-    DataParallelOptions o;
-    o.comm_hook = c.hook ? c.hook() : nullptr;
-    o.find_unused_parameters = c.find_unused;
-    o.bucket_cap_mb = c.bucket_mb;
-    o.first_bucket_cap_mb = c.first_bucket_mb;
+    const DataParallelOptions o = ddp_options(c);
     DataParallel ddp(modules[r], rk.comm, o);
     train_on(c, ddp, *modules[r], data, r * kLocalBatch, kLocalBatch, &ddp, contract_device());
     expect_parameters_match(*ref, *modules[r], r, c.rtol, c.atol);

@@ -183,4 +183,14 @@ inline std::vector<std::shared_ptr<torch::nn::Module>> rank_models(
   return modules;
 }
 
+// DataParallel as the case asks for it.
+inline DataParallelOptions ddp_options(const Case& c) {
+  DataParallelOptions o;
+  o.comm_hook = c.hook ? c.hook() : nullptr;
+  o.find_unused_parameters = c.find_unused;
+  o.bucket_cap_mb = c.bucket_mb;
+  o.first_bucket_cap_mb = c.first_bucket_mb;
+  return o;
+}
+
 }  // namespace dtrain::testing
