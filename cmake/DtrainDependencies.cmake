@@ -9,6 +9,16 @@ find_package(Threads REQUIRED)
 # Abseil flags: the command lines of dtrain-run and the benchmarks (src/cli), and the examples'.
 find_package(absl REQUIRED)
 
+# Python's torch wheels bundle fmt and Gloo headers of other versions than the libraries dtrain
+# links (torch 2.11: fmt 11, where fmt::join moved to fmt/ranges.h), and LibTorch's include
+# directories would come first. Every dtrain target sees the headers of the libraries it links.
+foreach(dep IN ITEMS fmt::fmt gloo)
+  get_target_property(dep_include ${dep} INTERFACE_INCLUDE_DIRECTORIES)
+  if(dep_include)
+    include_directories(BEFORE SYSTEM ${dep_include})
+  endif()
+endforeach()
+
 # LibTorch's flags (the C++ ABI switch) must match ours in every TU, and the other C++
 # libraries' too: refuse a LibTorch whose ABI they do not share (cmake/DtrainTorchChecks.cmake).
 include(DtrainTorchChecks)

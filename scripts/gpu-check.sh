@@ -154,7 +154,7 @@ do_configure() {
 }
 
 do_build() {
-  x cmake --build "$build" -j "$jobs" --target dtrain_tests dtrain_test_worker gpt2_train dtrain-run
+  x cmake --build "$build" -j "$jobs" --target dtrain_tests dtrain_test_worker gpt2_train dtrain-run -- -k 0
 }
 
 # The environment every dtrain program of this run gets: the carried libraries, and the

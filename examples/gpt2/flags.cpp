@@ -16,6 +16,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dtrain/errors.h"
 

@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "checkpoint/safetensors.h"
 #include "dtrain/errors.h"

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "compat/attention.h"
 #include "dtrain/activation_checkpoint.h"

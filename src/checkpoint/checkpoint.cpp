@@ -28,6 +28,7 @@
 #include <optional>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "checkpoint/directory.h"
 #include "checkpoint/json.h"

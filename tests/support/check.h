@@ -6,6 +6,7 @@
 #include <string>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #define DTRAIN_CHECK(cond, ...)                                                               \
   do {                                                                                        \
