@@ -144,7 +144,10 @@ do_configure() {
     -DTorch_DIR="$tp/Torch" -DCMAKE_PREFIX_PATH="$tp"
     $("$root/scripts/gpu-deps.sh" cmake-args "$prefix")
     -DDTRAIN_WITH_NCCL=ON -DNCCL_INCLUDE_DIR="$nccl_inc" -DNCCL_LIBRARY="$nccl_lib"
-    -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_BUILD_EXAMPLES=ON -DDTRAIN_BUILD_BENCHMARKS=OFF)
+    -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_BUILD_EXAMPLES=ON -DDTRAIN_BUILD_BENCHMARKS=OFF
+    # The carried libraries are found through LD_LIBRARY_PATH at run time only: discover the
+    # tests when they run, not when they link.
+    -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST)
   if [[ -n "${DRY:-}" ]]; then
     x env TORCH_CUDA_ARCH_LIST="$cap" cmake "${args[@]}"
     return 0
