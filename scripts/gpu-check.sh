@@ -16,8 +16,8 @@
 #   deps       unpack the carried packages into $BUILD/deps-prefix
 #   configure  dtrain against the wheel's LibTorch, NCCL on (the wheel's nccl), benchmarks off
 #   build      dtrain_tests, its worker, gpt2_train, dtrain-run
-#   tests      the CUDA/NCCL tests of dtrain_tests (Nccl*, device contract, CUDA generators,
-#              CUDA staging)
+#   tests      the CUDA/NCCL tests of dtrain_tests, one process each under ctest (Nccl*, device
+#              contract, CUDA generators, CUDA staging)
 #   strategies gpt2_train --model tiny, fp32, 8 steps, same global batch: single (reference);
 #              ddp and fsdp (full, grad_op, no_shard) on NCCL at world size 1; ddp and fsdp
 #              (full, grad_op, no_shard, hybrid) at 2 and 4 ranks with Gloo on CUDA tensors on
@@ -106,6 +106,7 @@ do_env() {
   x c++ --version
   x ninja --version
   x nproc
+  x lscpu
   x ldd --version
   # Whether the wheel's libtorch_cpu exports Gloo's symbols (it links its own Gloo); see the
   # `build` step for why dtrain then preloads the carried libgloo.
@@ -176,10 +177,10 @@ run_dtrain() {
   x env "${envs[@]}" "$@"
 }
 
+# One process per test (ctest): a crash fails its own test and the others still run.
 do_tests() {
-  run_dtrain "$build/tests/dtrain_tests" \
-    --gtest_filter='Nccl*:NcclMaps*:DeviceContract*:CheckpointRng*:*Cuda*:*CUDA*:*Staging*' \
-    --gtest_output="xml:$out/tests.xml"
+  run_dtrain ctest --test-dir "$build" -R '^(Nccl|NcclMaps|DeviceContract|CheckpointRng)[.]|Cuda|CUDA|Staging' \
+    -j 4 --timeout 120 --output-on-failure --output-junit "$out/tests.xml"
 }
 
 gpt2_train_bin() { echo "$build/examples/gpt2/gpt2_train"; }

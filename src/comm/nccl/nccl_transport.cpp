@@ -143,7 +143,7 @@ class NcclTransport final : public detail::Transport {
  public:
   NcclTransport(std::shared_ptr<Store> store, int rank, int world_size,
                 const CommunicatorOptions& options, std::shared_ptr<detail::StickyFailure> failure)
-      : rank_(rank), store_(make_prefix_store("dtrain/nccl/" + options.name, std::move(store))) {
+      : rank_(rank), world_size_(world_size), store_(make_prefix_store("dtrain/nccl/" + options.name, std::move(store))) {
     const ErrorContext ctx{rank, world_size, "connect", -1};
     const auto deadline = Clock::now() + options.timeout;
     device_ = resolve_device(options, ctx);
@@ -212,7 +212,7 @@ class NcclTransport final : public detail::Transport {
                      : call.op == CollectiveOp::kAllGather
                          ? static_cast<size_t>(call.input.numel())
                          : static_cast<size_t>(call.tensor.numel());
-    const ncclRedOp_t op = nccl_op(call.reduce);
+    const ncclRedOp_t op = nccl_op(call.reduce, world_size_);
     const int root = call.root;
     NcclComm::Call launch;
     switch (call.op) {
@@ -284,6 +284,7 @@ class NcclTransport final : public detail::Transport {
 
  private:
   const int rank_;
+  const int world_size_;
   // Kept for the communicator's lifetime: rank 0's may host the TCP store server that
   // slower ranks still need to read the NCCL id.
   std::shared_ptr<Store> store_;

@@ -127,12 +127,15 @@ inline ncclDataType_t nccl_type(c10::ScalarType type, const ErrorContext& ctx) {
   }
 }
 
-inline ncclRedOp_t nccl_op(ReduceOp op) {
+// At world size 1 every reduction returns its input, and an average is a sum: ncclSum there,
+// because NCCL before 2.29.7 leaves the last elements of a one-rank ncclAvg unwritten when
+// input and output differ (NVIDIA/nccl#1950; torch 2.11's NCCL 2.28.9 does, on an H200).
+inline ncclRedOp_t nccl_op(ReduceOp op, int world_size) {
   switch (op) {
     case ReduceOp::kSum:
       return ncclSum;
     case ReduceOp::kAvg:
-      return ncclAvg;
+      return world_size == 1 ? ncclSum : ncclAvg;
     case ReduceOp::kMin:
       return ncclMin;
     case ReduceOp::kMax:
