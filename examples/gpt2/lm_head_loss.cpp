@@ -5,10 +5,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "dtrain/autocast.h"
 #include "dtrain/errors.h"
 
 namespace gpt2 {
@@ -44,13 +46,76 @@ struct Pass {
   at::Tensor grad_logits;  // [N, V] fp32, d loss / d logits times N (kHiddenNowWeightLater)
 };
 
-// One pass over the rows of h [N, D] in chunks, with the gradients `grads` asks for, each
-// chunk's while its logits are at hand.
-Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, int64_t chunk,
-                Grads grads) {
+// run_chunks with every matmul in `mm`: autocast's bf16/fp16 for fp32 inputs, or low-precision
+// inputs' own dtype on a GPU. There an fp32 matmul runs without tensor cores (LibTorch leaves
+// TF32 off), several times slower than bf16, and these three are the largest of a GPT-2
+// step: under autocast they follow it, as at::linear's do. The weight's gradient is
+// accumulated over the chunks in fp32.
+Pass run_chunks_cast(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t,
+                     int64_t chunk, Grads grads, c10::ScalarType mm) {
   const int64_t N = h.size(0);
   const int64_t V = w.size(0);
   const double inv_n = 1.0 / static_cast<double>(N);
+  const auto f32 = h.options().dtype(at::kFloat);
+  const int64_t rows = std::min(chunk, N);
+  const at::Tensor hm = h.to(mm);
+  const at::Tensor wm = w.to(mm);
+  const at::Tensor wm_t = wm.t();
+  const bool keep_logit_grads = grads == Grads::kHiddenNowWeightLater;
+  at::Tensor logits_buf = at::empty({keep_logit_grads ? N : rows, V}, f32);
+  at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kDouble));
+  Pass out;
+  at::Tensor grad_w32;
+  if (grads != Grads::kNone) out.grad_hidden = at::empty_like(h);
+  if (grads == Grads::kBoth) grad_w32 = at::zeros({V, w.size(1)}, f32);
+  for (int64_t r0 = 0; r0 < N; r0 += rows) {
+    const int64_t c = std::min(rows, N - r0);
+    at::Tensor hc = hm.narrow(0, r0, c);
+    at::Tensor tc = t.narrow(0, r0, c).unsqueeze(1);
+    at::Tensor z = logits_buf.narrow(0, keep_logit_grads ? r0 : 0, c);
+    z.copy_(at::mm(hc, wm_t));
+    at::_softmax_out(z, z, 1, false);
+    at::Tensor pt = z.gather(1, tc).squeeze(1);
+    at::Tensor row_loss = pt.clamp_min(kTiny).log_().neg_();
+    at::Tensor tiny_rows = (pt < kTiny).nonzero().squeeze(1);
+    if (tiny_rows.numel() > 0) {  // as in run_chunks: the exact loss of underflowed rows
+      at::Tensor zr = at::mm(hc.index_select(0, tiny_rows), wm_t).to(at::kFloat);
+      row_loss.index_copy_(
+          0, tiny_rows,
+          at::logsumexp(zr, 1) - zr.gather(1, tc.index_select(0, tiny_rows)).squeeze(1));
+    }
+    loss_sum.add_(row_loss.sum(at::kDouble));
+    if (grads == Grads::kNone) continue;
+    z.scatter_add_(1, tc, at::full({c, 1}, -1.0f, f32));
+    if (keep_logit_grads) {  // the weight's gradient is formed from z in backward
+      out.grad_hidden.narrow(0, r0, c).copy_(at::mm(z.to(mm), wm).mul_(inv_n));
+      continue;
+    }
+    const at::Tensor dz = z.to(mm);
+    out.grad_hidden.narrow(0, r0, c).copy_(at::mm(dz, wm).mul_(inv_n));
+    if (grads == Grads::kBoth) grad_w32.add_(at::mm(dz.t(), hc), inv_n);
+  }
+  out.loss = loss_sum.mul_(inv_n).to(at::kFloat);
+  if (grads == Grads::kBoth) out.grad_weight = grad_w32.to(w.scalar_type());
+  if (keep_logit_grads) out.grad_logits = logits_buf;
+  return out;
+}
+
+// One pass over the rows of h [N, D] in chunks, with the gradients `grads` asks for, each
+// chunk's while its logits are at hand.
+// `mm` is the dtype of the three matmuls: the inputs' own, or autocast's (below), in which
+// case every matmul runs on copies of h and w in that dtype and only the softmax, the loss
+// and the weight's gradient accumulation stay in fp32.
+Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, int64_t chunk,
+                Grads grads, c10::ScalarType mm) {
+  const int64_t N = h.size(0);
+  const int64_t V = w.size(0);
+  const double inv_n = 1.0 / static_cast<double>(N);
+  // On a GPU a low-precision pass takes the cast path too: its weight-gradient matmul (fp32
+  // below, for the CPU's sake) would run without tensor cores.
+  if (mm != h.scalar_type() || (mm != at::kFloat && !h.is_cpu())) {
+    return run_chunks_cast(h, w, t, chunk, grads, mm);
+  }
   const bool fp32 = h.scalar_type() == at::kFloat;
   const auto f32 = h.options().dtype(at::kFloat);
   const int64_t rows = std::min(chunk, N);
@@ -128,12 +193,12 @@ at::Tensor weight_grad_of(const at::Tensor& grad_logits, const at::Tensor& h,
 
 struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
-                            const at::Tensor& t, int64_t chunk) {
+                            const at::Tensor& t, int64_t chunk, c10::ScalarType mm) {
     // Keep whichever of the weight's gradient [V, D] and the logits' [N, V] is smaller. The
     // weight itself is never needed in backward.
     Grads grads = Grads::kHidden;
     if (w.requires_grad()) grads = h.size(0) <= h.size(1) ? Grads::kHiddenNowWeightLater : Grads::kBoth;
-    Pass p = run_chunks(h, w, t, chunk, grads);
+    Pass p = run_chunks(h, w, t, chunk, grads, mm);
     ctx->saved_data["grad_hidden"] = p.grad_hidden;
     if (p.grad_weight.defined()) ctx->saved_data["grad_weight"] = p.grad_weight;
     if (p.grad_logits.defined()) {
@@ -171,14 +236,15 @@ struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
       gh = gh * g.to(gh.scalar_type());
       if (gw.defined()) gw = gw * g.to(gw.scalar_type());
     }
-    return {gh, gw, at::Tensor(), at::Tensor()};
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
-                         const at::Tensor& targets, int64_t chunk_rows) {
+                         const at::Tensor& targets, int64_t chunk_rows,
+                         std::optional<c10::ScalarType> matmul_dtype) {
   const int64_t D = hidden.size(-1);
   if (weight.dim() != 2 || weight.size(1) != D || weight.scalar_type() != hidden.scalar_type() ||
       !at::isFloatingType(hidden.scalar_type())) {
@@ -202,15 +268,24 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
     const int64_t chunks = (N + max_rows - 1) / max_rows;
     chunk = (N + chunks - 1) / chunks;
   }
+  // On the CPU the matmuls keep the inputs' dtype under autocast: whether bf16 pays there
+  // depends on the CPU (docs/benchmarks.md, "bf16 vs fp32 by CPU class").
+  const std::optional<c10::ScalarType> autocast =
+      hidden.is_cpu() ? std::nullopt : dtrain::autocast_dtype(hidden.device().type());
+  const c10::ScalarType mm = matmul_dtype.value_or(autocast.value_or(hidden.scalar_type()));
+  if (!at::isFloatingType(mm)) {
+    throw dtrain::InvalidArgument(fmt::format("fused_lm_loss: matmul_dtype must be floating, got {}",
+                                              c10::toString(mm)));
+  }
   at::Tensor h = hidden.reshape({N, D}).contiguous();
   at::Tensor t = targets.reshape({N}).contiguous();
   const bool grads =
       c10::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   if (!grads) {
     c10::NoGradGuard no_grad;
-    return run_chunks(h, weight, t, chunk, Grads::kNone).loss;
+    return run_chunks(h, weight, t, chunk, Grads::kNone, mm).loss;
   }
-  return FusedLmLoss::apply(h, weight, t, chunk);
+  return FusedLmLoss::apply(h, weight, t, chunk, mm);
 }
 
 }  // namespace gpt2

@@ -15,8 +15,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace gpt2 {
 
@@ -31,8 +33,13 @@ namespace gpt2 {
 // lm_loss does on a cast. A row whose target probability underflows fp32 gets its loss
 // exactly, from the logits (logsumexp minus the target's logit), never log(0). Differentiable in
 // hidden and weight; when grad mode is off or neither requires grad, only the loss is computed.
+//   matmul_dtype  the dtype of the three matmuls (logits, hidden's and weight's gradients).
+//               Default: under autocast on a GPU, autocast's dtype (as at::linear would; an
+//               fp32 matmul there runs without tensor cores), else the inputs' dtype. The
+//               softmax, the loss and the weight gradient's accumulation stay in fp32.
 // Throws dtrain::InvalidArgument on mismatched shapes or dtypes.
 at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
-                         const at::Tensor& targets, int64_t chunk_rows = 0);
+                         const at::Tensor& targets, int64_t chunk_rows = 0,
+                         std::optional<c10::ScalarType> matmul_dtype = std::nullopt);
 
 }  // namespace gpt2

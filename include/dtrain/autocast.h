@@ -34,6 +34,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "dtrain/blas.h"
 
@@ -77,5 +78,11 @@ class AutocastGuard {
 
 // Throws InvalidArgument naming the problem when `autocast` is not supported.
 void check_autocast(const Autocast& autocast);
+
+// The dtype this thread's ops on `device` are autocast to (an AutocastGuard's, or one set
+// through ATen), or nullopt when autocast is off for that device type. For code that runs
+// its own matmuls (a fused kernel, an out= variant that autocast does not reach) and should
+// follow the region it is called in. Device types other than CPU and CUDA: nullopt.
+std::optional<c10::ScalarType> autocast_dtype(c10::DeviceType device);
 
 }  // namespace dtrain

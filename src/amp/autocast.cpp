@@ -59,6 +59,13 @@ AutocastGuard::AutocastGuard(const Autocast& autocast) {
   cuda_dtype_ = saved.cuda_dtype;
 }
 
+std::optional<c10::ScalarType> autocast_dtype(c10::DeviceType device) {
+  const compat::AutocastState s = compat::AutocastState::current();
+  if (device == c10::DeviceType::CPU && s.cpu) return s.cpu_dtype;
+  if (device == c10::DeviceType::CUDA && s.cuda) return s.cuda_dtype;
+  return std::nullopt;
+}
+
 AutocastGuard::~AutocastGuard() {
   compat::leave_autocast(compat::AutocastState{cpu_, cuda_, cpu_dtype_, cuda_dtype_});
 }

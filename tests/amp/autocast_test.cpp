@@ -102,6 +102,24 @@ TEST(Autocast, CheckpointRecomputeLeavesNoStaleCasts) {
   EXPECT_TRUE(at::equal(got, want)) << "a weight cast from the recompute was reused";
 }
 
+TEST(Autocast, AutocastDtypeReportsEachDeviceTypesRegion) {
+  EXPECT_FALSE(autocast_dtype(c10::DeviceType::CPU).has_value());
+  EXPECT_FALSE(autocast_dtype(c10::DeviceType::CUDA).has_value());
+  {
+    AutocastGuard cpu(Autocast(c10::DeviceType::CPU, c10::ScalarType::BFloat16));
+    EXPECT_EQ(autocast_dtype(c10::DeviceType::CPU), c10::ScalarType::BFloat16);
+    EXPECT_FALSE(autocast_dtype(c10::DeviceType::CUDA).has_value());
+    {
+      AutocastGuard cuda(Autocast(c10::DeviceType::CUDA, c10::ScalarType::Half));
+      EXPECT_EQ(autocast_dtype(c10::DeviceType::CUDA), c10::ScalarType::Half);
+      EXPECT_EQ(autocast_dtype(c10::DeviceType::CPU), c10::ScalarType::BFloat16);
+    }
+    EXPECT_FALSE(autocast_dtype(c10::DeviceType::CUDA).has_value());
+    EXPECT_FALSE(autocast_dtype(c10::DeviceType::Meta).has_value());
+  }
+  EXPECT_FALSE(autocast_dtype(c10::DeviceType::CPU).has_value());
+}
+
 TEST(Autocast, Fp16OnCpuIsRefused) {
   try {
     AutocastGuard guard(Autocast{c10::DeviceType::CPU, c10::ScalarType::Half});

@@ -9,6 +9,7 @@
 #include <string>
 #include <tuple>
 
+#include "dtrain/autocast.h"
 #include "dtrain/errors.h"
 #include "lm_head_loss.h"
 #include "model.h"
@@ -167,6 +168,59 @@ TEST(FusedLmLossArgs, RejectsMismatchedShapes) {
   EXPECT_THROW(fused_lm_loss(h, w.to(at::kDouble), at::zeros({4}, at::kLong)),
                dtrain::InvalidArgument);
   EXPECT_THROW(fused_lm_loss(h, w, at::zeros({4}, at::kLong), -1), dtrain::InvalidArgument);
+  EXPECT_THROW(fused_lm_loss(h, w, at::zeros({4}, at::kLong), 0, at::kLong),
+               dtrain::InvalidArgument);
+}
+
+// fp32 inputs with bf16 matmuls (what autocast selects on a GPU): the loss and gradients of
+// the unfused loss whose linear runs on bf16 copies, within bf16's rounding. (D, chunk): the
+// weight's gradient in forward (D = 24, chunks of 8 leave 7) or from the kept logits' (D = 48).
+class FusedLmLossBf16Matmuls : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(FusedLmLossBf16Matmuls, CloseToTheUnfusedLossOnBf16Copies) {
+  const auto [D, chunk] = GetParam();
+  at::manual_seed(5);
+  const int64_t N = 39, V = 101;
+  at::Tensor h0 = at::randn({N, D});
+  at::Tensor w0 = at::randn({V, D}) * 0.5;
+  at::Tensor t = at::randint(V, {N}, at::kLong);
+  at::Tensor h_ref = h0.clone().requires_grad_(true);
+  at::Tensor w_ref = w0.clone().requires_grad_(true);
+  at::Tensor ref = lm_loss(at::linear(h_ref.to(at::kBFloat16), w_ref.to(at::kBFloat16)), t);
+  ref.backward();
+  at::Tensor h = h0.clone().requires_grad_(true);
+  at::Tensor w = w0.clone().requires_grad_(true);
+  at::Tensor got = fused_lm_loss(h, w, t, chunk, at::kBFloat16);
+  got.backward();
+  EXPECT_EQ(h.grad().scalar_type(), at::kFloat);
+  EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+  expect_close(got, ref, 1e-5, 0, "loss");
+  expect_close(h.grad(), h_ref.grad(), 2e-2, 1e-6, "hidden gradient");
+  expect_close(w.grad(), w_ref.grad(), 2e-2, 1e-6, "weight gradient");
+  // The matmuls really ran in bf16: the fp32 pass gives another loss.
+  const at::Tensor fp32 = fused_lm_loss(h0, w0, t, chunk);
+  EXPECT_GT((fp32 - got.detach()).abs().item<double>(), 1e-7);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedLmLossBf16Matmuls,
+                         ::testing::Values(std::make_tuple(int64_t{24}, int64_t{8}),
+                                           std::make_tuple(int64_t{48}, int64_t{0})));
+
+// CPU autocast leaves the fused loss's matmuls in fp32: bit for bit the same as without it.
+TEST(FusedLmLossAutocast, CpuMatmulsStayFp32) {
+  at::manual_seed(6);
+  at::Tensor h = at::randn({20, 16});
+  at::Tensor w = at::randn({50, 16});
+  at::Tensor t = at::randint(50, {20}, at::kLong);
+  const at::Tensor plain = fused_lm_loss(h, w, t);
+  at::Tensor in_region;
+  {
+    dtrain::AutocastGuard guard(dtrain::Autocast(c10::DeviceType::CPU, at::kBFloat16));
+    ASSERT_EQ(dtrain::autocast_dtype(c10::DeviceType::CPU), at::kBFloat16);
+    in_region = fused_lm_loss(h, w, t);
+  }
+  EXPECT_FALSE(dtrain::autocast_dtype(c10::DeviceType::CPU).has_value());
+  EXPECT_TRUE(at::equal(plain, in_region));
 }
 
 }  // namespace
