@@ -217,6 +217,10 @@ ABSL_FLAG(std::string, ckpt_format, "sharded",
 ABSL_FLAG(std::string, export, "",
           "After training, write the weights to PATH.safetensors with Hugging Face's GPT-2 "
           "names and layouts (transformers' GPT2LMHeadModel loads it).");
+ABSL_FLAG(bool, eval_only, false,
+          "Evaluate, do not train: the validation loss (over --val_batches global batches) and "
+          "the sample of the weights from --init_from or from --resume's checkpoint, then "
+          "exit. Needs one of the two, and --resume then needs a checkpoint in --ckpt_dir.");
 ABSL_FLAG(std::string, init_from, "",
           "Start from the weights of a Hugging Face GPT-2 safetensors file (e.g. gpt2's "
           "model.safetensors, or one written by --export); the model flags must match its "
@@ -433,6 +437,11 @@ Config config_from_flags() {
   c.malloc_tuning = absl::GetFlag(FLAGS_malloc_tuning);
   c.export_path = absl::GetFlag(FLAGS_export);
   c.init_from = absl::GetFlag(FLAGS_init_from);
+  c.eval_only = absl::GetFlag(FLAGS_eval_only);
+  check(!c.eval_only || c.resume || !c.init_from.empty(),
+        "--eval_only evaluates the weights of --init_from or --resume; give one of them "
+        "(without either it would evaluate freshly initialised weights)");
+  check(!c.eval_only || c.val_batches > 0, "--eval_only needs --val_batches > 0");
   if (c.model_kind == ModelKind::kBert) {
     check(c.export_path.empty() && c.init_from.empty(),
           fmt::format("--export and --init_from write and read Hugging Face GPT-2 weights; "

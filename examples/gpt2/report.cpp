@@ -60,6 +60,15 @@ void Reporter::write_step(const StepRecord& r) {
   metrics_->write(j);
 }
 
+void Reporter::write_eval(int64_t step, double val_loss, double validation_time_s) {
+  say(fmt::format("eval: val_loss {:.4f} of the weights at step {} ({:.1f} s)", val_loss, step,
+                  validation_time_s));
+  if (!metrics_) return;
+  JsonLine j = base_line("eval", step, 0);
+  j.add("val_loss", val_loss).add("validation_time_s", validation_time_s);
+  metrics_->write(j);
+}
+
 void Reporter::write_epoch(const EpochRecord& e) {
   say(
       fmt::format("epoch {}/{}: loss {:.4f} val_loss {:.4f} grad_norm {:.3f} {:.0f} tok/s "

@@ -41,6 +41,8 @@ class Reporter {
   void write_step(const StepRecord& r);
   // The epoch's summary line and metrics line.
   void write_epoch(const EpochRecord& e);
+  // --eval_only: the evaluation's line and metrics line ("kind": "eval").
+  void write_eval(int64_t step, double val_loss, double validation_time_s);
 
  private:
   JsonLine base_line(const char* kind, int64_t step, int64_t epoch) const;

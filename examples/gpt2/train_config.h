@@ -106,6 +106,7 @@ struct Config {
   int64_t ckpt_every = 0;
   int ckpt_keep = 2;
   bool resume = false;
+  bool eval_only = false;  // validation loss and sample of the loaded weights, no step
   std::string export_path, init_from;
 
   bool fused_loss() const { return loss == LossKind::kFused; }

@@ -91,6 +91,10 @@ void Trainer::run() {
 
   RunState run;
   run.start_step = run.step = c_.resume ? resume_step() : 0;
+  if (c_.eval_only) {
+    evaluate_only(run.step);
+    return;
+  }
   const auto run_start = Clock::now();
   for (int64_t epoch = run.start_step / schedule.steps_per_epoch; epoch < schedule.epochs;
        ++epoch) {
@@ -106,6 +110,25 @@ void Trainer::run() {
                   run.last_grad_norm, run.max_rss));
   if (op_profile_ && op_profile_->steps() < c_.profile_steps) write_profile(schedule.total_steps);
   if (!c_.export_path.empty()) export_weights();
+  generate_sample();
+  if (comm_ && info_.world_size > 1) comm_->barrier_sync();  // no rank leaves a peer waiting
+}
+
+// --eval_only: the loaded weights' validation loss and sample; no optimizer step, no
+// checkpoint. `step` is the resumed checkpoint's (0 for --init_from).
+void Trainer::evaluate_only(int64_t step) {
+  if (c_.resume && step == 0) {
+    throw dtrain::InvalidArgument(fmt::format(
+        "--eval_only --resume: no complete checkpoint in {} to evaluate", c_.ckpt_dir));
+  }
+  if (!val_sampler_) {
+    throw dtrain::InvalidArgument(
+        "--eval_only: the corpus has no validation split to evaluate on (see --val_fraction)");
+  }
+  const auto v0 = Clock::now();
+  const double val_loss = validate();
+  const double seconds = seconds_since(v0);
+  report_.write_eval(step, val_loss, seconds);
   generate_sample();
   if (comm_ && info_.world_size > 1) comm_->barrier_sync();  // no rank leaves a peer waiting
 }

@@ -61,6 +61,7 @@ class Trainer {
 
   // Training (trainer.cpp).
   void train_epoch(const Schedule& schedule, int64_t epoch, RunState& run);
+  void evaluate_only(int64_t step);
   StepRecord train_step(const Schedule& schedule, int64_t epoch, int64_t index_in_epoch,
                         int64_t step);
   double micro_step(int64_t micro_batch, bool last, StepRecord& record);

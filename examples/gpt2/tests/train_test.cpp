@@ -33,7 +33,7 @@ namespace {
 struct RunResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr
-  std::vector<std::map<std::string, double>> steps, epochs;
+  std::vector<std::map<std::string, double>> steps, epochs, evals;
   std::vector<std::string> step_lines;  // the step lines as written
 };
 
@@ -83,6 +83,7 @@ RunResult collect_run(int status, const std::string& metrics, const std::string&
       r.step_lines.push_back(line);
     }
     if (line.find("\"kind\": \"epoch\"") != std::string::npos) r.epochs.push_back(numbers_of(line));
+    if (line.find("\"kind\": \"eval\"") != std::string::npos) r.evals.push_back(numbers_of(line));
   }
   std::remove(metrics.c_str());
   std::remove(log.c_str());
@@ -504,6 +505,48 @@ void expect_exact_resume(const std::string& name, const std::vector<std::string>
   std::remove(whole_weights.c_str());
   std::remove(rest_weights.c_str());
   std::filesystem::remove_all(dir);
+}
+
+// --eval_only: the validation loss of a checkpoint (any strategy) and of exported weights
+// equals the one the training run reported at its end; nothing is trained.
+TEST(TrainerEvalOnly, EvaluatesCheckpointsAndExportsWithoutTraining) {
+  const std::string dir = temp_path("eval_ckpt"), weights = temp_path("eval_weights.safetensors");
+  std::filesystem::remove_all(dir);
+  RunResult trained = run_trainer(
+      "eval_train", with(common_args(), {"--strategy=single", "--batch=4", "--ckpt_dir=" + dir,
+                                         "--export=" + weights}));
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  ASSERT_FALSE(trained.epochs.empty());
+  const double want = trained.epochs.back().at("val_loss");
+  ASSERT_TRUE(std::isfinite(want));
+  const std::vector<std::vector<std::string>> evals = {
+      {"--strategy=fsdp", "--nproc=2", "--batch=2", "--ckpt_dir=" + dir, "--resume"},
+      {"--strategy=single", "--batch=4", "--init_from=" + weights}};
+  for (const auto& how : evals) {
+    RunResult e = run_trainer("eval_only", with(with(common_args(), how), {"--eval_only"}));
+    ASSERT_EQ(e.exit_code, 0) << e.output;
+    EXPECT_TRUE(e.steps.empty()) << e.output;
+    ASSERT_EQ(e.evals.size(), 1u) << e.output;
+    EXPECT_NEAR(e.evals[0].at("val_loss"), want, 1e-5 * want) << e.output;
+    EXPECT_NE(e.output.find("eval: val_loss"), std::string::npos) << e.output;
+  }
+  std::filesystem::remove_all(dir);
+  std::remove(weights.c_str());
+}
+
+TEST(TrainerErrors, EvalOnlyNeedsWeightsToEvaluate) {
+  RunResult none = run_trainer("eval_none", with(common_args(), {"--eval_only"}));
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_NE(none.output.find("--eval_only evaluates the weights of --init_from or --resume"),
+            std::string::npos)
+      << none.output;
+  const std::string empty_dir = temp_path("eval_empty");
+  std::filesystem::create_directories(empty_dir);
+  RunResult missing = run_trainer(
+      "eval_missing", with(common_args(), {"--eval_only", "--resume", "--ckpt_dir=" + empty_dir}));
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.output.find("no complete checkpoint in"), std::string::npos) << missing.output;
+  std::filesystem::remove_all(empty_dir);
 }
 
 TEST(TrainerCheckpoint, SingleResumesExactlyAfterSigterm) {
