@@ -47,12 +47,14 @@ constexpr const char* kUsage = R"(usage: dtrain-run [options] [--] program [args
 
 Runs `program` once per local rank, with the variables dtrain (and torchrun-style
 programs) read to find their peers: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT. Waits for every rank. Each rank leads its own process group,
-and everything in it is stopped with the rank. If one fails, the others get SIGTERM
-(SIGKILL after the grace period), the failed rank and the way it failed are printed, and
-dtrain-run exits non-zero. SIGINT/SIGTERM are forwarded to the ranks, SIGHUP/SIGQUIT send
-them SIGTERM; a second signal kills them. If dtrain-run itself dies (even by SIGKILL), the
-ranks get SIGKILL.
+MASTER_ADDR, MASTER_PORT. Waits for every rank. Each rank runs under its own supervisor
+(dtrain-supervise, installed next to dtrain-run) and leads its own process group. If one
+fails, the others get SIGTERM (their whole trees SIGKILL after the grace period), the
+failed rank and the way it failed are printed, and dtrain-run exits non-zero.
+SIGINT/SIGTERM are forwarded to the ranks, SIGHUP/SIGQUIT send them SIGTERM; a second
+signal kills them. No process a rank started outlives it or dtrain-run: when a rank ends,
+or dtrain-run ends in any way (even by SIGKILL), its supervisor kills every process of the
+rank's tree, including daemons in sessions of their own.
 
 GPUs: CUDA_VISIBLE_DEVICES is passed on unchanged, and each rank picks its GPU by dtrain's
 device contract (dtrain/rendezvous.h, LaunchInfo::cuda_device): GPU LOCAL_RANK, or 0 when

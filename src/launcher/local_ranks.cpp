@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "launcher/spawn.h"
+#include "launcher/supervisor.h"
 
 namespace dtrain::launcher {
 namespace {
@@ -90,7 +91,8 @@ class SignalForwarding {
 struct Child {
   int rank = 0;
   int local_rank = 0;
-  pid_t pid = -1;  // also its process group id
+  pid_t pid = -1;       // the rank's supervisor (launcher/supervisor.h); also its process group id
+  pid_t rank_pid = -1;  // the rank's own process, for messages
   bool running = false;
   int status = 0;
 };
@@ -112,7 +114,8 @@ int exit_status_for(int status) {
   return 1;
 }
 
-pid_t spawn(const NodeOptions& o, int local_rank, int port, bool null_stdin) {
+SupervisedRank spawn(const NodeOptions& o, const std::string& supervisor, int local_rank, int port,
+                     bool null_stdin) {
   std::map<std::string, std::string> vars = {
       {"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
       {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
@@ -123,28 +126,37 @@ pid_t spawn(const NodeOptions& o, int local_rank, int port, bool null_stdin) {
   vars.insert(o.environment.begin(), o.environment.end());  // keeps the rank variables
   const std::vector<std::string> env = environment_with(vars);
   SpawnOptions so;
-  so.own_process_group = true;
-  so.parent_death_signal = SIGKILL;
   so.null_stdin = null_stdin;
   try {
-    return spawn_process(o.argv[0], o.argv, env, so);
+    return spawn_supervised(supervisor, o.argv, env, so);
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("{}: local rank {}: {}", o.name, local_rank, e.what()));
   }
 }
 
-// Signals the process group of every rank whose leader has not been reaped: while it has
-// not, the group id cannot belong to anyone else.
+// Signals the supervisor of every rank that has not been reaped (so its pid cannot belong
+// to anyone else); a supervisor forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to its rank's
+// process group.
 void signal_running(const std::vector<Child>& children, int sig) {
   for (const auto& c : children) {
-    if (c.running) kill(-c.pid, sig);
+    if (c.running) kill(c.pid, sig);
   }
 }
 
+// Has every running rank's whole tree killed (SIGKILL), by its supervisor.
+void kill_trees(const std::vector<Child>& children) {
+  signal_running(children, kKillTreeSignal);
+}
+
+// A supervisor kills its tree within milliseconds; one still there this long after being
+// asked (stopped, or stuck) is SIGKILLed, and its rank gets SIGKILL as its parent-death signal.
+constexpr std::chrono::seconds kSupervisorKillTimeout{10};
+
 enum class Reap { kRunning, kEnded, kWaitFailed };
 
-// Reaps `c` if its leader ended. What the rank left in its group is SIGKILLed first, while
-// the unreaped leader still holds the group id.
+// Reaps `c` if its supervisor ended (it kills the rank's tree before it exits). What is
+// left in the supervisor's process group is SIGKILLed first, while the unreaped supervisor
+// still holds the group id.
 Reap reap(Child& c, int& wait_error) {
   siginfo_t info{};
   int rc;
@@ -194,6 +206,7 @@ std::vector<std::string> self_command(int argc, char** argv) {
 
 int run_node(const NodeOptions& o) {
   validate(o);
+  const std::string supervisor = find_supervisor(o.supervisor);
   const int port = o.master_port != 0 ? o.master_port : free_port();
   SignalForwarding forwarding;
   const bool null_stdin = isatty(0) == 1;
@@ -204,9 +217,11 @@ int run_node(const NodeOptions& o) {
     c.local_rank = l;
     c.rank = o.node_rank * o.nproc_per_node + l;
     try {
-      c.pid = spawn(o, l, port, null_stdin);
+      const SupervisedRank started = spawn(o, supervisor, l, port, null_stdin);
+      c.pid = started.supervisor;
+      c.rank_pid = started.rank;
     } catch (...) {
-      signal_running(children, SIGKILL);
+      kill_trees(children);
       for (const auto& s : children) {
         while (waitpid(s.pid, nullptr, 0) < 0 && errno == EINTR) {
         }
@@ -218,9 +233,14 @@ int run_node(const NodeOptions& o) {
   }
 
   int result = 0;
-  bool stopping = false, killed = false;
+  bool stopping = false, killed = false, supervisors_killed = false;
   int received = 0;  // the stop signal that arrived first
-  Clock::time_point deadline{};
+  Clock::time_point deadline{}, kill_deadline{};
+  auto kill_all = [&] {
+    kill_trees(children);
+    killed = true;
+    kill_deadline = Clock::now() + kSupervisorKillTimeout;
+  };
   auto stop_others = [&] {
     stopping = true;
     deadline = Clock::now() + o.grace;
@@ -233,8 +253,7 @@ int run_node(const NodeOptions& o) {
       g_pending_signal = 0;
       if (g_signal_count > 1 || received != 0) {
         fmt::print(stderr, "{}: {} again, killing the ranks\n", o.name, signal_name(sig));
-        signal_running(children, SIGKILL);
-        killed = true;
+        kill_all();
       } else {
         // SIGINT goes on as SIGINT (a trainer may treat it as SIGTERM anyway); SIGHUP and
         // SIGQUIT as SIGTERM: a hangup must not kill a rank that would checkpoint on
@@ -265,7 +284,7 @@ int run_node(const NodeOptions& o) {
       if (r == Reap::kWaitFailed) {
         // The rank's fate is unknown (e.g. ECHILD: reaped elsewhere): never a success.
         fmt::print(stderr, "{}: rank {} (local rank {}, pid {}): waitpid failed: {}; {}\n", o.name,
-                   c.rank, c.local_rank, c.pid, std::strerror(wait_error),
+                   c.rank, c.local_rank, c.rank_pid, std::strerror(wait_error),
                    stopping ? "counting it as failed" : "stopping the other ranks");
         if (result == 0) result = 1;
         if (!stopping) stop_others();
@@ -273,7 +292,7 @@ int run_node(const NodeOptions& o) {
       }
       if (failed(c.status) && !stopping) {
         fmt::print(stderr, "{}: rank {} (local rank {}, pid {}) {}; stopping the other ranks\n",
-                   o.name, c.rank, c.local_rank, c.pid, describe(c.status));
+                   o.name, c.rank, c.local_rank, c.rank_pid, describe(c.status));
         result = exit_status_for(c.status);
         if (result == 0) result = 1;
         stop_others();
@@ -284,11 +303,21 @@ int run_node(const NodeOptions& o) {
       for (const auto& c : children) {
         if (c.running) {
           fmt::print(stderr, "{}: rank {} (pid {}) still running after {} ms, sending SIGKILL\n",
-                     o.name, c.rank, c.pid, o.grace.count());
+                     o.name, c.rank, c.rank_pid, o.grace.count());
+        }
+      }
+      kill_all();
+    }
+    if (killed && !supervisors_killed && Clock::now() > kill_deadline) {
+      for (const auto& c : children) {
+        if (c.running) {
+          fmt::print(stderr, "{}: the supervisor of rank {} (pid {}) did not end {} s after it was "
+                     "asked to kill the rank's processes; sending it SIGKILL\n",
+                     o.name, c.rank, c.pid, kSupervisorKillTimeout.count());
         }
       }
       signal_running(children, SIGKILL);
-      killed = true;
+      supervisors_killed = true;
     }
     if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
