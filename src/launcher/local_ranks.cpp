@@ -144,9 +144,7 @@ void signal_running(const std::vector<Child>& children, int sig) {
 }
 
 // Has every running rank's whole tree killed (SIGKILL), by its supervisor.
-void kill_trees(const std::vector<Child>& children) {
-  signal_running(children, kKillTreeSignal);
-}
+void kill_trees(const std::vector<Child>& children) { signal_running(children, kKillTreeSignal); }
 
 // A supervisor kills its tree within milliseconds; one still there this long after being
 // asked (stopped, or stuck) is SIGKILLed, and its rank gets SIGKILL as its parent-death signal.
@@ -311,7 +309,8 @@ int run_node(const NodeOptions& o) {
     if (killed && !supervisors_killed && Clock::now() > kill_deadline) {
       for (const auto& c : children) {
         if (c.running) {
-          fmt::print(stderr, "{}: the supervisor of rank {} (pid {}) did not end {} s after it was "
+          fmt::print(stderr,
+                     "{}: the supervisor of rank {} (pid {}) did not end {} s after it was "
                      "asked to kill the rank's processes; sending it SIGKILL\n",
                      o.name, c.rank, c.pid, kSupervisorKillTimeout.count());
         }

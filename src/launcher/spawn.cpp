@@ -33,15 +33,7 @@ std::vector<char*> pointers(std::vector<std::string>& strings) {
 
 // What a child that could not exec reports through its close-on-exec pipe.
 struct SpawnFailure {
-  enum Step : int {
-    kExec,
-    kStdout,
-    kStderr,
-    kStdin,
-    kProcessGroup,
-    kDeathSignal,
-    kPassFd
-  } step;
+  enum Step : int { kExec, kStdout, kStderr, kStdin, kProcessGroup, kDeathSignal, kPassFd } step;
   int error;
 };
 
@@ -66,7 +58,8 @@ struct SpawnFailure {
   // Before the redirections, whose open() could otherwise take descriptor kPassedFd. dup2
   // clears close-on-exec on the copy; a descriptor already in place needs it cleared.
   if (o.pass_fd >= 0) {
-    const int rc = o.pass_fd == kPassedFd ? fcntl(kPassedFd, F_SETFD, 0) : dup2(o.pass_fd, kPassedFd);
+    const int rc =
+        o.pass_fd == kPassedFd ? fcntl(kPassedFd, F_SETFD, 0) : dup2(o.pass_fd, kPassedFd);
     if (rc < 0) fail(SpawnFailure::kPassFd);
   }
   const int flags = O_WRONLY | O_CREAT | O_TRUNC;

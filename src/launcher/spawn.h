@@ -37,8 +37,9 @@ constexpr int kPassedFd = 3;
 
 // Starts `program` (looked up in PATH unless it contains a '/') with `argv` and `env`, by
 // fork and an immediate exec. SIGINT, SIGTERM, SIGHUP and SIGQUIT start at their defaults
-// in the child, with no signal blocked (every signal with block_signals). Throws std::runtime_error naming the program (or
-// the output file) and the cause when it cannot start; the child is then already reaped.
+// in the child, with no signal blocked (every signal with block_signals). Throws std::runtime_error
+// naming the program (or the output file) and the cause when it cannot start; the child is then
+// already reaped.
 pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
                     const std::vector<std::string>& env, const SpawnOptions& options);
 

@@ -17,9 +17,10 @@ int main(int argc, char** argv) {
   const long launcher = argc > 1 ? std::strtol(argv[1], &end, 10) : 0;
   if (argc < 4 || end == argv[1] || *end != '\0' || errno != 0 || launcher <= 0 ||
       std::string(argv[2]) != "--") {
-    fmt::print(stderr, "usage: dtrain-supervise LAUNCHER_PID -- PROGRAM [ARGS...] (started by "
-                       "dtrain-run and dtrain::launcher::run_node, with a report pipe on "
-                       "descriptor 3)\n");
+    fmt::print(stderr,
+               "usage: dtrain-supervise LAUNCHER_PID -- PROGRAM [ARGS...] (started by "
+               "dtrain-run and dtrain::launcher::run_node, with a report pipe on "
+               "descriptor 3)\n");
     return 2;
   }
   const std::vector<std::string> command(argv + 3, argv + argc);

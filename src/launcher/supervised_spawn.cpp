@@ -65,8 +65,9 @@ std::string describe_status(int status) {
 std::string find_supervisor(const std::string& configured) {
   if (!configured.empty()) {
     if (executable(configured)) return configured;
-    throw std::runtime_error(fmt::format(
-        "the rank supervisor '{}' (NodeOptions::supervisor) is not an executable file", configured));
+    throw std::runtime_error(
+        fmt::format("the rank supervisor '{}' (NodeOptions::supervisor) is not an executable file",
+                    configured));
   }
   std::vector<std::string> tried;
   std::error_code ec;
@@ -89,8 +90,7 @@ std::string find_supervisor(const std::string& configured) {
       kSupervisorName, places));
 }
 
-SupervisedRank spawn_supervised(const std::string& supervisor,
-                                const std::vector<std::string>& argv,
+SupervisedRank spawn_supervised(const std::string& supervisor, const std::vector<std::string>& argv,
                                 const std::vector<std::string>& env, SpawnOptions options) {
   if (argv.empty() || argv[0].empty()) throw std::invalid_argument("no command to run");
   int fds[2];

@@ -160,7 +160,8 @@ class Supervisor {
         // Only a process in an uninterruptible sleep outlives SIGKILL this long.
         std::string pids;
         for (const pid_t c : children) pids += fmt::format(" {}", c);
-        fmt::print(stderr, "dtrain-supervise: rank pid {}: after 10 s of SIGKILL, still running:{}\n",
+        fmt::print(stderr,
+                   "dtrain-supervise: rank pid {}: after 10 s of SIGKILL, still running:{}\n",
                    rank_, pids);
         warned = true;
       }
@@ -191,8 +192,9 @@ void report(const std::string& line) {
 int supervise(pid_t launcher, const std::vector<std::string>& argv) {
   // The report pipe must not reach the rank.
   if (fcntl(kPassedFd, F_SETFD, FD_CLOEXEC) != 0) {
-    fmt::print(stderr, "dtrain-supervise: no report pipe on descriptor {} (started by hand? it is "
-                       "started by dtrain-run and dtrain::launcher::run_node)\n",
+    fmt::print(stderr,
+               "dtrain-supervise: no report pipe on descriptor {} (started by hand? it is "
+               "started by dtrain-run and dtrain::launcher::run_node)\n",
                kPassedFd);
     return 127;
   }

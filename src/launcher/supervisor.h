@@ -59,8 +59,7 @@ std::string find_supervisor(const std::string& configured);
 // when the calling thread ends. Waits (at most 60 s) for the supervisor's report. Throws
 // std::runtime_error naming the program and the cause when the rank cannot be started; the
 // supervisor is then already reaped.
-SupervisedRank spawn_supervised(const std::string& supervisor,
-                                const std::vector<std::string>& argv,
+SupervisedRank spawn_supervised(const std::string& supervisor, const std::vector<std::string>& argv,
                                 const std::vector<std::string>& env, SpawnOptions options);
 
 // dtrain-supervise's main loop (the process's only thread; its report pipe is kPassedFd):
