@@ -50,6 +50,10 @@ struct NodeOptions {
   // When stopping the ranks (a rank failed, or a signal arrived): how long their process
   // groups get between SIGTERM and SIGKILL.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
+  // When a rank fails (not when a signal stops the job): how many times every rank of this
+  // node is stopped and started again, as torchrun's --max_restarts. Only with nnodes 1:
+  // restarting several nodes together needs the elastic rendezvous, not built yet.
+  int max_restarts = 0;
   // Prefix of the messages printed on stderr.
   std::string name = "dtrain-run";
   // The per-rank supervisor program; empty: dtrain-supervise next to this program's
@@ -87,8 +91,15 @@ void validate(const NodeOptions& options);
 // statuses). A waitpid() result other than the rank's own status (e.g. ECHILD: someone
 // else reaped it) counts as a failure of that rank.
 //
+// Restarts (max_restarts > 0): when a rank fails, the others are stopped as above, and once
+// every tree is gone all ranks start again, with a new MASTER_PORT when it was picked
+// here. Every rank gets TORCHELASTIC_RESTART_COUNT (0 at first), TORCHELASTIC_MAX_RESTARTS
+// and DTRAIN_GENERATION (on one node, the restart count). A program that resumes from its
+// newest checkpoint (gpt2_train --ckpt_dir D --resume) continues from there. A stop signal
+// is never followed by a restart.
+//
 // Returns the status to exit with: 0 when every rank exited 0; else the failed rank's exit
-// code, or 128 + signal number when it was killed by a signal or a signal stopped the job
+// code (of the last generation), or 128 + signal number when it was killed by a signal or a signal stopped the job
 // (129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 1 for a waitpid failure. Throws
 // std::invalid_argument for bad options (see validate) and std::runtime_error when the
 // supervisor cannot be found (the message names the places tried) or a rank cannot be

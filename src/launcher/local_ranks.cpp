@@ -115,8 +115,11 @@ int exit_status_for(int status) {
 }
 
 SupervisedRank spawn(const NodeOptions& o, const std::string& supervisor, int local_rank, int port,
-                     bool null_stdin) {
+                     int restart, bool null_stdin) {
   std::map<std::string, std::string> vars = {
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
+      {"DTRAIN_GENERATION", std::to_string(restart)},
       {"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
       {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
       {"LOCAL_RANK", std::to_string(local_rank)},
@@ -192,6 +195,12 @@ void validate(const NodeOptions& o) {
     throw std::invalid_argument("a job of several nodes needs an explicit master_port");
   }
   if (o.master_addr.empty()) throw std::invalid_argument("master_addr is empty");
+  if (o.max_restarts < 0) throw std::invalid_argument("max_restarts must not be negative");
+  if (o.max_restarts > 0 && o.nnodes > 1) {
+    throw std::invalid_argument(
+        "max_restarts needs nnodes 1: restarting the ranks of several nodes together needs "
+        "the elastic rendezvous (--nnodes MIN:MAX), which is not built yet");
+  }
 }
 
 std::vector<std::string> self_command(int argc, char** argv) {
@@ -202,12 +211,21 @@ std::vector<std::string> self_command(int argc, char** argv) {
   return command;
 }
 
-int run_node(const NodeOptions& o) {
-  validate(o);
-  const std::string supervisor = find_supervisor(o.supervisor);
+namespace {
+
+// How one generation of this node's ranks ended.
+struct Generation {
+  int result = 0;       // the exit status run_node returns if nothing is restarted
+  int received = 0;     // the stop signal the launcher received, 0 if none
+  bool failed = false;  // a rank failed (or could not be waited for) before any signal
+};
+
+// Starts this node's ranks as generation `restart` and supervises them until every one
+// has ended (the failure model in dtrain/launcher.h).
+Generation run_generation(const NodeOptions& o, const std::string& supervisor, int restart,
+                          bool null_stdin) {
+  // A new store port for each generation picked here: nothing of an earlier one can reach it.
   const int port = o.master_port != 0 ? o.master_port : free_port();
-  SignalForwarding forwarding;
-  const bool null_stdin = isatty(0) == 1;
 
   std::vector<Child> children;
   for (int l = 0; l < o.nproc_per_node; ++l) {
@@ -215,7 +233,7 @@ int run_node(const NodeOptions& o) {
     c.local_rank = l;
     c.rank = o.node_rank * o.nproc_per_node + l;
     try {
-      const SupervisedRank started = spawn(o, supervisor, l, port, null_stdin);
+      const SupervisedRank started = spawn(o, supervisor, l, port, restart, null_stdin);
       c.pid = started.supervisor;
       c.rank_pid = started.rank;
     } catch (...) {
@@ -231,7 +249,7 @@ int run_node(const NodeOptions& o) {
   }
 
   int result = 0;
-  bool stopping = false, killed = false, supervisors_killed = false;
+  bool stopping = false, killed = false, supervisors_killed = false, rank_failed = false;
   int received = 0;  // the stop signal that arrived first
   Clock::time_point deadline{}, kill_deadline{};
   auto kill_all = [&] {
@@ -285,7 +303,10 @@ int run_node(const NodeOptions& o) {
                    c.rank, c.local_rank, c.rank_pid, std::strerror(wait_error),
                    stopping ? "counting it as failed" : "stopping the other ranks");
         if (result == 0) result = 1;
-        if (!stopping) stop_others();
+        if (!stopping) {
+          rank_failed = true;
+          stop_others();
+        }
         continue;
       }
       if (failed(c.status) && !stopping) {
@@ -293,6 +314,7 @@ int run_node(const NodeOptions& o) {
                    o.name, c.rank, c.local_rank, c.rank_pid, describe(c.status));
         result = exit_status_for(c.status);
         if (result == 0) result = 1;
+        rank_failed = true;
         stop_others();
       }
     }
@@ -320,10 +342,37 @@ int run_node(const NodeOptions& o) {
     }
     if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (received != 0 && result == 128 + received) {
-    fmt::print(stderr, "{}: ranks stopped after {}\n", o.name, signal_name(received));
+  return Generation{result, received, rank_failed && received == 0};
+}
+
+}  // namespace
+
+int run_node(const NodeOptions& o) {
+  validate(o);
+  const std::string supervisor = find_supervisor(o.supervisor);
+  SignalForwarding forwarding;
+  const bool null_stdin = isatty(0) == 1;
+  for (int restart = 0;; ++restart) {
+    const Generation g = run_generation(o, supervisor, restart, null_stdin);
+    if (g.received != 0 && g.result == 128 + g.received) {
+      fmt::print(stderr, "{}: ranks stopped after {}\n", o.name, signal_name(g.received));
+    }
+    if (!g.failed || restart >= o.max_restarts) {
+      if (g.failed && o.max_restarts > 0) {
+        fmt::print(stderr, "{}: no restart left (--max_restarts {}); giving up\n", o.name,
+                   o.max_restarts);
+      }
+      return g.result;
+    }
+    // A stop signal that came while the ranks were being stopped ends the job here.
+    if (g_pending_signal != 0) {
+      const int sig = g_pending_signal;
+      fmt::print(stderr, "{}: {} received; not restarting\n", o.name, signal_name(sig));
+      return 128 + sig;
+    }
+    fmt::print(stderr, "{}: restarting every rank of this node (restart {} of {})\n", o.name,
+               restart + 1, o.max_restarts);
   }
-  return result;
 }
 
 }  // namespace dtrain::launcher

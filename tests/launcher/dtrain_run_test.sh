@@ -2,7 +2,8 @@
 # dtrain-run's contract, checked with `sh -c` ranks: the rank variables, exit status, which
 # failed rank is named, stopping the other ranks, signal forwarding, process groups (what a rank
 # starts is stopped with it), ranks dying with the launcher, the ranks' BLAS kernel, the
-# CPU's bf16 line, and no process of a rank's tree outliving the launcher (#17).
+# CPU's bf16 line, no process of a rank's tree outliving the launcher (#17), and restarts
+# (#18).
 # Usage: dtrain_run_test.sh path/to/dtrain-run [path/to/fake_openblas.so]
 # The ranks' scripts are single-quoted on purpose: the variables expand in the ranks.
 # shellcheck disable=SC2016
@@ -363,6 +364,53 @@ for scenario in b c d e; do
   [ "$got" -eq "$want" ] || fail "17$scenario: $what: exit $got, want $want"
   tree_gone 5 "${mark_base}_$scenario" "17$scenario: $what"
 done
+
+# 18. --max_restarts: a failed rank stops the others, then every rank starts again with the
+#     restart count and generation; a stop signal is never followed by a restart.
+# a. Rank 1 fails in generations 0 and 1 (rank 0 would sleep 60 s: it is stopped), every
+#    rank succeeds in generation 2: exit 0; each rank ran 3 times with the right variables.
+rm -f "$tmp"/gen*
+expect_status 0 "$run" --nproc_per_node 2 --max_restarts 2 -- sh -c \
+  'echo "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $DTRAIN_GENERATION $MASTER_PORT" >>"$0/gen$RANK"
+   [ "$TORCHELASTIC_RESTART_COUNT" -ge 2 ] && exit 0
+   if [ "$RANK" = 1 ]; then sleep 0.3; exit 3; fi
+   exec sleep 60' "$tmp"
+expect_stderr "rank 1 .* exited with code 3; stopping the other ranks"
+expect_stderr "restarting every rank of this node (restart 1 of 2)"
+expect_stderr "restarting every rank of this node (restart 2 of 2)"
+for r in 0 1; do
+  got=$(cut -d' ' -f1-3 "$tmp/gen$r" 2>/dev/null | tr '\n' ',')
+  [ "$got" = "0 2 0,1 2 1,2 2 2," ] || fail "18a: rank $r ran as '$got', want '0 2 0,1 2 1,2 2 2,'"
+done
+# A new store port for every generation (the launcher picked it).
+[ "$(cut -d' ' -f4 "$tmp/gen0" | sort -u | wc -l)" -eq 3 ] ||
+  fail "18a: generations shared a MASTER_PORT: $(cut -d' ' -f4 "$tmp/gen0" | tr '\n' ' ')"
+
+# b. Restarts exhausted: the last failure's status, after 1 + 2 runs.
+rm -f "$tmp"/gen*
+expect_status 5 "$run" --nproc_per_node 2 --max_restarts 2 -- sh -c \
+  'echo "$TORCHELASTIC_RESTART_COUNT" >>"$0/gen$RANK"; [ "$RANK" = 1 ] && exit 5; exec sleep 60' \
+  "$tmp"
+expect_stderr "no restart left (--max_restarts 2); giving up"
+[ "$(wc -l <"$tmp/gen1")" -eq 3 ] || fail "18b: rank 1 ran $(wc -l <"$tmp/gen1") times, want 3"
+
+# c. SIGTERM to dtrain-run: no restart, exit 143, nothing left of the trees.
+rm -f "$tmp"/gen*
+DTRAIN_TREE_MARK="${mark_base}_18c" "$run" --nproc_per_node 2 --max_restarts 3 -- sh -c \
+  'echo "$TORCHELASTIC_RESTART_COUNT" >>"$0/gen$RANK"; exec sleep 60' "$tmp" 2>"$tmp/err" &
+pid=$!
+wait_files 10 "$tmp/gen0" "$tmp/gen1" || fail "18c: ranks did not start"
+kill -TERM "$pid"
+finish "$pid" 20
+[ "$got" -eq 143 ] || fail "18c: SIGTERM with --max_restarts: exit $got, want 143"
+[ "$(cat "$tmp/gen0" "$tmp/gen1" | tr '\n' ' ')" = "0 0 " ] ||
+  fail "18c: ranks restarted after SIGTERM: $(cat "$tmp/gen0" "$tmp/gen1" | tr '\n' ' ')"
+tree_gone 5 "${mark_base}_18c" "18c: SIGTERM with --max_restarts"
+
+# d. Usage errors: negative, or with several nodes (that needs the elastic rendezvous).
+expect_status 2 "$run" --max_restarts -1 -- true
+expect_status 2 "$run" --nnodes 2 --node_rank 0 --master_port 29999 --max_restarts 1 -- true
+expect_stderr "max_restarts needs nnodes 1"
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed" >&2
