@@ -27,6 +27,10 @@ ABSL_FLAG(std::string, master_addr, "127.0.0.1", "host of rank 0, which serves t
 ABSL_FLAG(int, master_port, 0,
           "port of the store; 0: a free port on one node, 29500 (torchrun's default) on several");
 ABSL_FLAG(int, grace_s, 5, "seconds between SIGTERM and SIGKILL when stopping ranks");
+ABSL_FLAG(int, max_restarts, 0,
+          "when a rank fails, stop the others and start every rank again, up to this many "
+          "times (torchrun's name); the ranks get TORCHELASTIC_RESTART_COUNT, "
+          "TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. Only with --nnodes 1 for now");
 ABSL_FLAG(std::string, blas_kernel, "auto",
           "auto: when OpenBLAS would run its generic kernels, or an older family than this CPU "
           "supports (e.g. Haswell on an AVX-512 CPU), start the ranks with OPENBLAS_CORETYPE set "
@@ -47,12 +51,19 @@ constexpr const char* kUsage = R"(usage: dtrain-run [options] [--] program [args
 
 Runs `program` once per local rank, with the variables dtrain (and torchrun-style
 programs) read to find their peers: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT. Waits for every rank. Each rank leads its own process group,
-and everything in it is stopped with the rank. If one fails, the others get SIGTERM
-(SIGKILL after the grace period), the failed rank and the way it failed are printed, and
-dtrain-run exits non-zero. SIGINT/SIGTERM are forwarded to the ranks, SIGHUP/SIGQUIT send
-them SIGTERM; a second signal kills them. If dtrain-run itself dies (even by SIGKILL), the
-ranks get SIGKILL.
+MASTER_ADDR, MASTER_PORT. Waits for every rank. Each rank runs under its own supervisor
+(dtrain-supervise, installed next to dtrain-run) and leads its own process group. If one
+fails, the others get SIGTERM (their whole trees SIGKILL after the grace period), the
+failed rank and the way it failed are printed, and dtrain-run exits non-zero.
+SIGINT/SIGTERM are forwarded to the ranks, SIGHUP/SIGQUIT send them SIGTERM; a second
+signal kills them. No process a rank started outlives it or dtrain-run: when a rank ends,
+or dtrain-run ends in any way (even by SIGKILL), its supervisor kills every process of the
+rank's tree, including daemons in sessions of their own.
+
+With --max_restarts N, a failed rank stops the others and then every rank starts again (at
+most N times; a signal to dtrain-run is never followed by a restart); the ranks see
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. A trainer
+that resumes from its newest checkpoint continues from there.
 
 GPUs: CUDA_VISIBLE_DEVICES is passed on unchanged, and each rank picks its GPU by dtrain's
 device contract (dtrain/rendezvous.h, LaunchInfo::cuda_device): GPU LOCAL_RANK, or 0 when
@@ -88,6 +99,7 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   const int grace_s = absl::GetFlag(FLAGS_grace_s);
   if (grace_s < 0) throw std::invalid_argument("--grace_s must not be negative");
   o.grace = std::chrono::seconds(grace_s);
+  o.max_restarts = absl::GetFlag(FLAGS_max_restarts);
   const std::string kernel = absl::GetFlag(FLAGS_blas_kernel);
   if (kernel != "auto" && kernel != "keep") {
     throw std::invalid_argument("--blas_kernel expects auto or keep, got '" + kernel + "'");

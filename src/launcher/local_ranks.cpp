@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "launcher/spawn.h"
+#include "launcher/supervisor.h"
 
 namespace dtrain::launcher {
 namespace {
@@ -90,7 +91,8 @@ class SignalForwarding {
 struct Child {
   int rank = 0;
   int local_rank = 0;
-  pid_t pid = -1;  // also its process group id
+  pid_t pid = -1;       // the rank's supervisor (launcher/supervisor.h); also its process group id
+  pid_t rank_pid = -1;  // the rank's own process, for messages
   bool running = false;
   int status = 0;
 };
@@ -112,8 +114,12 @@ int exit_status_for(int status) {
   return 1;
 }
 
-pid_t spawn(const NodeOptions& o, int local_rank, int port, bool null_stdin) {
+SupervisedRank spawn(const NodeOptions& o, const std::string& supervisor, int local_rank, int port,
+                     int restart, bool null_stdin) {
   std::map<std::string, std::string> vars = {
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
+      {"DTRAIN_GENERATION", std::to_string(restart)},
       {"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
       {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
       {"LOCAL_RANK", std::to_string(local_rank)},
@@ -123,28 +129,35 @@ pid_t spawn(const NodeOptions& o, int local_rank, int port, bool null_stdin) {
   vars.insert(o.environment.begin(), o.environment.end());  // keeps the rank variables
   const std::vector<std::string> env = environment_with(vars);
   SpawnOptions so;
-  so.own_process_group = true;
-  so.parent_death_signal = SIGKILL;
   so.null_stdin = null_stdin;
   try {
-    return spawn_process(o.argv[0], o.argv, env, so);
+    return spawn_supervised(supervisor, o.argv, env, so);
   } catch (const std::exception& e) {
     throw std::runtime_error(fmt::format("{}: local rank {}: {}", o.name, local_rank, e.what()));
   }
 }
 
-// Signals the process group of every rank whose leader has not been reaped: while it has
-// not, the group id cannot belong to anyone else.
+// Signals the supervisor of every rank that has not been reaped (so its pid cannot belong
+// to anyone else); a supervisor forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to its rank's
+// process group.
 void signal_running(const std::vector<Child>& children, int sig) {
   for (const auto& c : children) {
-    if (c.running) kill(-c.pid, sig);
+    if (c.running) kill(c.pid, sig);
   }
 }
 
+// Has every running rank's whole tree killed (SIGKILL), by its supervisor.
+void kill_trees(const std::vector<Child>& children) { signal_running(children, kKillTreeSignal); }
+
+// A supervisor kills its tree within milliseconds; one still there this long after being
+// asked (stopped, or stuck) is SIGKILLed, and its rank gets SIGKILL as its parent-death signal.
+constexpr std::chrono::seconds kSupervisorKillTimeout{10};
+
 enum class Reap { kRunning, kEnded, kWaitFailed };
 
-// Reaps `c` if its leader ended. What the rank left in its group is SIGKILLed first, while
-// the unreaped leader still holds the group id.
+// Reaps `c` if its supervisor ended (it kills the rank's tree before it exits). What is
+// left in the supervisor's process group is SIGKILLed first, while the unreaped supervisor
+// still holds the group id.
 Reap reap(Child& c, int& wait_error) {
   siginfo_t info{};
   int rc;
@@ -182,6 +195,12 @@ void validate(const NodeOptions& o) {
     throw std::invalid_argument("a job of several nodes needs an explicit master_port");
   }
   if (o.master_addr.empty()) throw std::invalid_argument("master_addr is empty");
+  if (o.max_restarts < 0) throw std::invalid_argument("max_restarts must not be negative");
+  if (o.max_restarts > 0 && o.nnodes > 1) {
+    throw std::invalid_argument(
+        "max_restarts needs nnodes 1: restarting the ranks of several nodes together needs "
+        "the elastic rendezvous (--nnodes MIN:MAX), which is not built yet");
+  }
 }
 
 std::vector<std::string> self_command(int argc, char** argv) {
@@ -192,11 +211,21 @@ std::vector<std::string> self_command(int argc, char** argv) {
   return command;
 }
 
-int run_node(const NodeOptions& o) {
-  validate(o);
+namespace {
+
+// How one generation of this node's ranks ended.
+struct Generation {
+  int result = 0;       // the exit status run_node returns if nothing is restarted
+  int received = 0;     // the stop signal the launcher received, 0 if none
+  bool failed = false;  // a rank failed (or could not be waited for) before any signal
+};
+
+// Starts this node's ranks as generation `restart` and supervises them until every one
+// has ended (the failure model in dtrain/launcher.h).
+Generation run_generation(const NodeOptions& o, const std::string& supervisor, int restart,
+                          bool null_stdin) {
+  // A new store port for each generation picked here: nothing of an earlier one can reach it.
   const int port = o.master_port != 0 ? o.master_port : free_port();
-  SignalForwarding forwarding;
-  const bool null_stdin = isatty(0) == 1;
 
   std::vector<Child> children;
   for (int l = 0; l < o.nproc_per_node; ++l) {
@@ -204,9 +233,11 @@ int run_node(const NodeOptions& o) {
     c.local_rank = l;
     c.rank = o.node_rank * o.nproc_per_node + l;
     try {
-      c.pid = spawn(o, l, port, null_stdin);
+      const SupervisedRank started = spawn(o, supervisor, l, port, restart, null_stdin);
+      c.pid = started.supervisor;
+      c.rank_pid = started.rank;
     } catch (...) {
-      signal_running(children, SIGKILL);
+      kill_trees(children);
       for (const auto& s : children) {
         while (waitpid(s.pid, nullptr, 0) < 0 && errno == EINTR) {
         }
@@ -218,9 +249,14 @@ int run_node(const NodeOptions& o) {
   }
 
   int result = 0;
-  bool stopping = false, killed = false;
+  bool stopping = false, killed = false, supervisors_killed = false, rank_failed = false;
   int received = 0;  // the stop signal that arrived first
-  Clock::time_point deadline{};
+  Clock::time_point deadline{}, kill_deadline{};
+  auto kill_all = [&] {
+    kill_trees(children);
+    killed = true;
+    kill_deadline = Clock::now() + kSupervisorKillTimeout;
+  };
   auto stop_others = [&] {
     stopping = true;
     deadline = Clock::now() + o.grace;
@@ -233,8 +269,7 @@ int run_node(const NodeOptions& o) {
       g_pending_signal = 0;
       if (g_signal_count > 1 || received != 0) {
         fmt::print(stderr, "{}: {} again, killing the ranks\n", o.name, signal_name(sig));
-        signal_running(children, SIGKILL);
-        killed = true;
+        kill_all();
       } else {
         // SIGINT goes on as SIGINT (a trainer may treat it as SIGTERM anyway); SIGHUP and
         // SIGQUIT as SIGTERM: a hangup must not kill a rank that would checkpoint on
@@ -265,17 +300,21 @@ int run_node(const NodeOptions& o) {
       if (r == Reap::kWaitFailed) {
         // The rank's fate is unknown (e.g. ECHILD: reaped elsewhere): never a success.
         fmt::print(stderr, "{}: rank {} (local rank {}, pid {}): waitpid failed: {}; {}\n", o.name,
-                   c.rank, c.local_rank, c.pid, std::strerror(wait_error),
+                   c.rank, c.local_rank, c.rank_pid, std::strerror(wait_error),
                    stopping ? "counting it as failed" : "stopping the other ranks");
         if (result == 0) result = 1;
-        if (!stopping) stop_others();
+        if (!stopping) {
+          rank_failed = true;
+          stop_others();
+        }
         continue;
       }
       if (failed(c.status) && !stopping) {
         fmt::print(stderr, "{}: rank {} (local rank {}, pid {}) {}; stopping the other ranks\n",
-                   o.name, c.rank, c.local_rank, c.pid, describe(c.status));
+                   o.name, c.rank, c.local_rank, c.rank_pid, describe(c.status));
         result = exit_status_for(c.status);
         if (result == 0) result = 1;
+        rank_failed = true;
         stop_others();
       }
     }
@@ -284,18 +323,56 @@ int run_node(const NodeOptions& o) {
       for (const auto& c : children) {
         if (c.running) {
           fmt::print(stderr, "{}: rank {} (pid {}) still running after {} ms, sending SIGKILL\n",
-                     o.name, c.rank, c.pid, o.grace.count());
+                     o.name, c.rank, c.rank_pid, o.grace.count());
+        }
+      }
+      kill_all();
+    }
+    if (killed && !supervisors_killed && Clock::now() > kill_deadline) {
+      for (const auto& c : children) {
+        if (c.running) {
+          fmt::print(stderr,
+                     "{}: the supervisor of rank {} (pid {}) did not end {} s after it was "
+                     "asked to kill the rank's processes; sending it SIGKILL\n",
+                     o.name, c.rank, c.pid, kSupervisorKillTimeout.count());
         }
       }
       signal_running(children, SIGKILL);
-      killed = true;
+      supervisors_killed = true;
     }
     if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (received != 0 && result == 128 + received) {
-    fmt::print(stderr, "{}: ranks stopped after {}\n", o.name, signal_name(received));
+  return Generation{result, received, rank_failed && received == 0};
+}
+
+}  // namespace
+
+int run_node(const NodeOptions& o) {
+  validate(o);
+  const std::string supervisor = find_supervisor(o.supervisor);
+  SignalForwarding forwarding;
+  const bool null_stdin = isatty(0) == 1;
+  for (int restart = 0;; ++restart) {
+    const Generation g = run_generation(o, supervisor, restart, null_stdin);
+    if (g.received != 0 && g.result == 128 + g.received) {
+      fmt::print(stderr, "{}: ranks stopped after {}\n", o.name, signal_name(g.received));
+    }
+    if (!g.failed || restart >= o.max_restarts) {
+      if (g.failed && o.max_restarts > 0) {
+        fmt::print(stderr, "{}: no restart left (--max_restarts {}); giving up\n", o.name,
+                   o.max_restarts);
+      }
+      return g.result;
+    }
+    // A stop signal that came while the ranks were being stopped ends the job here.
+    if (g_pending_signal != 0) {
+      const int sig = g_pending_signal;
+      fmt::print(stderr, "{}: {} received; not restarting\n", o.name, signal_name(sig));
+      return 128 + sig;
+    }
+    fmt::print(stderr, "{}: restarting every rank of this node (restart {} of {})\n", o.name,
+               restart + 1, o.max_restarts);
   }
-  return result;
 }
 
 }  // namespace dtrain::launcher

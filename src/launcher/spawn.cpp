@@ -33,7 +33,7 @@ std::vector<char*> pointers(std::vector<std::string>& strings) {
 
 // What a child that could not exec reports through its close-on-exec pipe.
 struct SpawnFailure {
-  enum Step : int { kExec, kStdout, kStderr, kStdin, kProcessGroup, kDeathSignal } step;
+  enum Step : int { kExec, kStdout, kStderr, kStdin, kProcessGroup, kDeathSignal, kPassFd } step;
   int error;
 };
 
@@ -54,6 +54,13 @@ struct SpawnFailure {
       raise(o.parent_death_signal);
       _exit(128 + o.parent_death_signal);
     }
+  }
+  // Before the redirections, whose open() could otherwise take descriptor kPassedFd. dup2
+  // clears close-on-exec on the copy; a descriptor already in place needs it cleared.
+  if (o.pass_fd >= 0) {
+    const int rc =
+        o.pass_fd == kPassedFd ? fcntl(kPassedFd, F_SETFD, 0) : dup2(o.pass_fd, kPassedFd);
+    if (rc < 0) fail(SpawnFailure::kPassFd);
   }
   const int flags = O_WRONLY | O_CREAT | O_TRUNC;
   if (!o.stdout_path.empty()) {
@@ -86,9 +93,12 @@ struct SpawnFailure {
       sigaction(sig, &dfl, nullptr);
     }
   }
-  sigset_t none;
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, nullptr);
+  // With block_signals the mask stays as the parent blocked it across fork: everything.
+  if (!o.block_signals) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+  }
   // glibc's execvpe searches PATH with stack buffers only, as posix_spawnp's child does.
   execvpe(program, argv, envp);
   fail(SpawnFailure::kExec);
@@ -113,19 +123,22 @@ std::string describe(const SpawnFailure& f, const std::string& program, const Sp
       return fmt::format("cannot start '{}': setpgid: {}", program, why);
     case SpawnFailure::kDeathSignal:
       return fmt::format("cannot start '{}': prctl(PR_SET_PDEATHSIG): {}", program, why);
+    case SpawnFailure::kPassFd:
+      return fmt::format("cannot start '{}': dup2 of descriptor {} to {}: {}", program, o.pass_fd,
+                         kPassedFd, why);
   }
   return fmt::format("cannot start '{}': {}", program, why);
 }
 
-// A pipe whose ends are close-on-exec and above stdin/stdout/stderr, so the child's
-// redirections cannot overwrite them.
+// A pipe whose ends are close-on-exec and above stdin/stdout/stderr and kPassedFd, so the
+// child's redirections and dup2 cannot overwrite them.
 void report_pipe(int fds[2]) {
   int raw[2];
   if (pipe2(raw, O_CLOEXEC) != 0) {
     throw std::runtime_error(fmt::format("pipe: {}", std::strerror(errno)));
   }
   for (int i = 0; i < 2; ++i) {
-    fds[i] = raw[i] > 2 ? raw[i] : fcntl(raw[i], F_DUPFD_CLOEXEC, 3);
+    fds[i] = raw[i] > kPassedFd ? raw[i] : fcntl(raw[i], F_DUPFD_CLOEXEC, kPassedFd + 1);
     if (fds[i] != raw[i]) close(raw[i]);
   }
   if (fds[0] < 0 || fds[1] < 0) {

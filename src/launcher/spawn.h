@@ -23,12 +23,23 @@ struct SpawnOptions {
   // the parent is still there after setting it, so a parent that dies during the spawn
   // cannot leave it running.
   int parent_death_signal = 0;
+  // The child starts with every signal blocked instead of none, so that a signal sent
+  // before it is ready (its parent-death signal, a stop request) stays pending until it
+  // takes it with sigwaitinfo. For dtrain-supervise (launcher/supervisor.h).
+  bool block_signals = false;
+  // A descriptor of the caller that the child gets as descriptor kPassedFd (3), open across
+  // exec; -1: none. Every other descriptor the caller opened close-on-exec stays closed.
+  int pass_fd = -1;
 };
+
+// Where SpawnOptions::pass_fd arrives in the child.
+constexpr int kPassedFd = 3;
 
 // Starts `program` (looked up in PATH unless it contains a '/') with `argv` and `env`, by
 // fork and an immediate exec. SIGINT, SIGTERM, SIGHUP and SIGQUIT start at their defaults
-// in the child, with no signal blocked. Throws std::runtime_error naming the program (or
-// the output file) and the cause when it cannot start; the child is then already reaped.
+// in the child, with no signal blocked (every signal with block_signals). Throws std::runtime_error
+// naming the program (or the output file) and the cause when it cannot start; the child is then
+// already reaped.
 pid_t spawn_process(const std::string& program, const std::vector<std::string>& argv,
                     const std::vector<std::string>& env, const SpawnOptions& options);
 

@@ -1,8 +1,9 @@
 #!/bin/sh
 # dtrain-run's contract, checked with `sh -c` ranks: the rank variables, exit status, which
 # failed rank is named, stopping the other ranks, signal forwarding, process groups (what a rank
-# starts is stopped with it), ranks dying with the launcher, the ranks' BLAS kernel, and the
-# CPU's bf16 line.
+# starts is stopped with it), ranks dying with the launcher, the ranks' BLAS kernel, the
+# CPU's bf16 line, no process of a rank's tree outliving the launcher (#17), and restarts
+# (#18).
 # Usage: dtrain_run_test.sh path/to/dtrain-run [path/to/fake_openblas.so]
 # The ranks' scripts are single-quoted on purpose: the variables expand in the ranks.
 # shellcheck disable=SC2016
@@ -259,6 +260,157 @@ DTRAIN_HIDE_NATIVE_BF16=1 "$run" --blas_info >"$tmp/info" 2>"$tmp/err" || fail "
 grep -q '^cpu_bf16_native: false ' "$tmp/info" || fail "DTRAIN_HIDE_NATIVE_BF16=1 not applied: $(cat "$tmp/info")"
 expect_status 2 env DTRAIN_HIDE_NATIVE_BF16=yes "$run" --blas_info
 expect_stderr "DTRAIN_HIDE_NATIVE_BF16 must be 0 or 1, got 'yes'"
+
+# 17. No process of a rank's tree outlives the launcher, however it ends: the ranks' children,
+#     a daemon that double-forked into a session of its own, and the per-rank supervisors.
+#     Every process started here carries DTRAIN_TREE_MARK=<scenario> in its environment
+#     (set on dtrain-run, inherited by all below it), so /proc shows whatever is left, known
+#     pids or not.
+# marked MARK: the live processes whose environment holds DTRAIN_TREE_MARK=MARK.
+marked() {
+  for f in $(grep -lzx "DTRAIN_TREE_MARK=$1" /proc/[0-9]*/environ 2>/dev/null); do
+    p=${f#/proc/}
+    p=${p%/environ}
+    alive "$p" && echo "$p"
+  done
+}
+# tree_gone SECONDS MARK WHAT: fails naming what is left of MARK's processes after SECONDS
+# (and kills them, so that a failure leaves nothing behind).
+tree_gone() {
+  limit=$(($1 * 10))
+  i=0
+  while [ "$i" -lt "$limit" ]; do
+    [ -z "$(marked "$2")" ] && return 0
+    sleep 0.1
+    i=$((i + 1))
+  done
+  left=""
+  for p in $(marked "$2"); do
+    left="$left $p ($(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | sed 's/ $//'))"
+    kill -KILL "$p" 2>/dev/null
+  done
+  fail "$3: still running $1 s later:$left"
+}
+# A wrapper script as the rank's command (`dtrain-run -- ./train.sh`): its program forks a
+# child, and a subshell starts a daemon in a new session (setsid) and exits at once, so the
+# daemon's parent is gone and it is in no group of the rank's. $1: folder for the pid files;
+# $2: wait (for the child, 411 s), fail (rank 1 exits 7 once its daemon runs), exit (every
+# rank exits 0 at once).
+cat >"$tmp/train.sh" <<'SCRIPT'
+dir=$1
+sleep 411 &
+echo $! >"$dir/child$RANK"
+(setsid sh -c 'echo $$ >"$0"; exec sleep 412' "$dir/daemon$RANK" &)
+i=0
+while [ ! -s "$dir/daemon$RANK" ] && [ "$i" -lt 100 ]; do
+  sleep 0.05
+  i=$((i + 1))
+done
+if [ "$2" = exit ] || { [ "$2" = fail ] && [ "$RANK" = 1 ]; }; then
+  [ "$2" = exit ] && exit 0
+  exit 7
+fi
+wait
+SCRIPT
+mark_base="dtrain_run_test_$$"
+
+# a. The issue's case, `sh -c "sleep 411 & wait"` as the rank, and the launcher SIGKILLed:
+#    the sleeps were left running, reparented to init.
+rm -f "$tmp"/gc* "$tmp"/pid*
+DTRAIN_TREE_MARK="${mark_base}_a" "$run" --nproc_per_node 2 -- sh -c \
+  'sleep 411 & echo $! >"$0/gc$RANK"; echo $$ >"$0/pid$RANK"; wait' "$tmp" 2>"$tmp/err" &
+pid=$!
+wait_files 10 "$tmp/gc0" "$tmp/gc1" "$tmp/pid0" "$tmp/pid1" || fail "17a: ranks did not start"
+kill -KILL "$pid"
+wait "$pid"
+tree_gone 5 "${mark_base}_a" "17a: sh -c 'sleep 411 & wait' ranks, dtrain-run SIGKILLed"
+
+# b-e. The wrapper script: the launcher SIGKILLed, SIGTERMed; rank 1 failing; ranks exiting 0.
+for scenario in b c d e; do
+  rm -f "$tmp"/child* "$tmp"/daemon*
+  case $scenario in
+    b | c) mode=wait ;;
+    d) mode=fail ;;
+    e) mode=exit ;;
+  esac
+  DTRAIN_TREE_MARK="${mark_base}_$scenario" "$run" --nproc_per_node 2 -- sh "$tmp/train.sh" \
+    "$tmp" "$mode" 2>"$tmp/err" &
+  pid=$!
+  if [ "$mode" = wait ]; then
+    wait_files 10 "$tmp/child0" "$tmp/child1" "$tmp/daemon0" "$tmp/daemon1" ||
+      fail "17$scenario: ranks did not start their processes"
+  fi
+  case $scenario in
+    b)
+      what="wrapper script ranks, dtrain-run SIGKILLed"
+      kill -KILL "$pid"
+      want=137
+      ;;
+    c)
+      what="wrapper script ranks, SIGTERM to dtrain-run"
+      kill -TERM "$pid"
+      want=143
+      ;;
+    d)
+      what="wrapper script ranks, rank 1 failed"
+      want=7
+      ;;
+    e)
+      what="wrapper script ranks that exited 0"
+      want=0
+      ;;
+  esac
+  finish "$pid" 20
+  [ "$got" -eq "$want" ] || fail "17$scenario: $what: exit $got, want $want"
+  tree_gone 5 "${mark_base}_$scenario" "17$scenario: $what"
+done
+
+# 18. --max_restarts: a failed rank stops the others, then every rank starts again with the
+#     restart count and generation; a stop signal is never followed by a restart.
+# a. Rank 1 fails in generations 0 and 1 (rank 0 would sleep 60 s: it is stopped), every
+#    rank succeeds in generation 2: exit 0; each rank ran 3 times with the right variables.
+rm -f "$tmp"/gen*
+expect_status 0 "$run" --nproc_per_node 2 --max_restarts 2 -- sh -c \
+  'echo "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $DTRAIN_GENERATION $MASTER_PORT" >>"$0/gen$RANK"
+   [ "$TORCHELASTIC_RESTART_COUNT" -ge 2 ] && exit 0
+   if [ "$RANK" = 1 ]; then sleep 0.3; exit 3; fi
+   exec sleep 60' "$tmp"
+expect_stderr "rank 1 .* exited with code 3; stopping the other ranks"
+expect_stderr "restarting every rank of this node (restart 1 of 2)"
+expect_stderr "restarting every rank of this node (restart 2 of 2)"
+for r in 0 1; do
+  got=$(cut -d' ' -f1-3 "$tmp/gen$r" 2>/dev/null | tr '\n' ',')
+  [ "$got" = "0 2 0,1 2 1,2 2 2," ] || fail "18a: rank $r ran as '$got', want '0 2 0,1 2 1,2 2 2,'"
+done
+# A new store port for every generation (the launcher picked it).
+[ "$(cut -d' ' -f4 "$tmp/gen0" | sort -u | wc -l)" -eq 3 ] ||
+  fail "18a: generations shared a MASTER_PORT: $(cut -d' ' -f4 "$tmp/gen0" | tr '\n' ' ')"
+
+# b. Restarts exhausted: the last failure's status, after 1 + 2 runs.
+rm -f "$tmp"/gen*
+expect_status 5 "$run" --nproc_per_node 2 --max_restarts 2 -- sh -c \
+  'echo "$TORCHELASTIC_RESTART_COUNT" >>"$0/gen$RANK"; [ "$RANK" = 1 ] && exit 5; exec sleep 60' \
+  "$tmp"
+expect_stderr "no restart left (--max_restarts 2); giving up"
+[ "$(wc -l <"$tmp/gen1")" -eq 3 ] || fail "18b: rank 1 ran $(wc -l <"$tmp/gen1") times, want 3"
+
+# c. SIGTERM to dtrain-run: no restart, exit 143, nothing left of the trees.
+rm -f "$tmp"/gen*
+DTRAIN_TREE_MARK="${mark_base}_18c" "$run" --nproc_per_node 2 --max_restarts 3 -- sh -c \
+  'echo "$TORCHELASTIC_RESTART_COUNT" >>"$0/gen$RANK"; exec sleep 60' "$tmp" 2>"$tmp/err" &
+pid=$!
+wait_files 10 "$tmp/gen0" "$tmp/gen1" || fail "18c: ranks did not start"
+kill -TERM "$pid"
+finish "$pid" 20
+[ "$got" -eq 143 ] || fail "18c: SIGTERM with --max_restarts: exit $got, want 143"
+[ "$(cat "$tmp/gen0" "$tmp/gen1" | tr '\n' ' ')" = "0 0 " ] ||
+  fail "18c: ranks restarted after SIGTERM: $(cat "$tmp/gen0" "$tmp/gen1" | tr '\n' ' ')"
+tree_gone 5 "${mark_base}_18c" "18c: SIGTERM with --max_restarts"
+
+# d. Usage errors: negative, or with several nodes (that needs the elastic rendezvous).
+expect_status 2 "$run" --max_restarts -1 -- true
+expect_status 2 "$run" --nnodes 2 --node_rank 0 --master_port 29999 --max_restarts 1 -- true
+expect_stderr "max_restarts needs nnodes 1"
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed" >&2
