@@ -44,27 +44,23 @@ std::shared_ptr<SyncBatchNormImpl> replacement(const Module& bn,
   auto sync = std::make_shared<SyncBatchNormImpl>(options, comm);
   sync->train(bn.is_training());
   c10::NoGradGuard no_grad;
-  auto params = sync->named_parameters(/*recurse=*/false);
-  for (const auto& item : bn.named_parameters(/*recurse=*/false)) {
-    at::Tensor* mine = params.find(item.key());
-    if (mine == nullptr) {
-      throw Error(fmt::format("convert_sync_batch_norm: internal error: SyncBatchNorm has no "
-                              "parameter '{}'",
-                              item.key()));
+  // The same names exist on both: the options decide which (BatchNorm's registrations).
+  auto copy = [](const torch::OrderedDict<std::string, at::Tensor>& from,
+                 torch::OrderedDict<std::string, at::Tensor> to, const char* kind) {
+    for (const auto& item : from) {
+      at::Tensor* mine = to.find(item.key());
+      if (mine == nullptr) {
+        throw Error(fmt::format("convert_sync_batch_norm: internal error: SyncBatchNorm has no "
+                                "{} '{}'",
+                                kind, item.key()));
+      }
+      mine->set_data(item.value().detach().clone());
+      mine->set_requires_grad(item.value().requires_grad());
     }
-    mine->set_data(item.value().detach().clone());
-    mine->set_requires_grad(item.value().requires_grad());
-  }
-  auto buffers = sync->named_buffers(/*recurse=*/false);
-  for (const auto& item : bn.named_buffers(/*recurse=*/false)) {
-    at::Tensor* mine = buffers.find(item.key());
-    if (mine == nullptr) {
-      throw Error(fmt::format("convert_sync_batch_norm: internal error: SyncBatchNorm has no "
-                              "buffer '{}'",
-                              item.key()));
-    }
-    mine->set_data(item.value().detach().clone());
-  }
+  };
+  copy(bn.named_parameters(/*recurse=*/false), sync->named_parameters(/*recurse=*/false),
+       "parameter");
+  copy(bn.named_buffers(/*recurse=*/false), sync->named_buffers(/*recurse=*/false), "buffer");
   return sync;
 }
 
