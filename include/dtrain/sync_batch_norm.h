@@ -88,8 +88,8 @@ TORCH_MODULE(SyncBatchNorm);
 
 // Replaces every torch::nn::BatchNorm{1,2,3}d under `module` by a SyncBatchNorm over `comm`
 // with the same options, parameters and buffers (values, dtypes, devices, requires_grad
-// copied) and training mode, keeping the child's name. Call it before wrapping the model in a strategy and
-// before building the optimizer: the new module's parameters are new tensors.
+// copied) and training mode, keeping the child's name. Call it before wrapping the model in a
+// strategy and before building the optimizer: the new module's parameters are new tensors.
 //
 // A C++ module calls its children through typed members (`torch::nn::BatchNorm2d bn;`
 // `bn->forward(x)`), which no converter can redirect; only entries of a
@@ -99,7 +99,7 @@ TORCH_MODULE(SyncBatchNorm);
 // those as dtrain::SyncBatchNorm instead. Returns `module`, or, when `module` itself is a
 // BatchNorm, its replacement. A BatchNorm registered in several places is replaced by one
 // SyncBatchNorm, shared the same way.
-std::shared_ptr<torch::nn::Module> convert_sync_batch_norm(std::shared_ptr<torch::nn::Module> module,
-                                                           CommunicatorPtr comm);
+std::shared_ptr<torch::nn::Module> convert_sync_batch_norm(
+    std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm);
 
 }  // namespace dtrain

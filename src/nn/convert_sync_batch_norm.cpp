@@ -50,9 +50,10 @@ std::shared_ptr<SyncBatchNormImpl> replacement(const Module& bn,
     for (const auto& item : from) {
       at::Tensor* mine = to.find(item.key());
       if (mine == nullptr) {
-        throw Error(fmt::format("convert_sync_batch_norm: internal error: SyncBatchNorm has no "
-                                "{} '{}'",
-                                kind, item.key()));
+        throw Error(
+            fmt::format("convert_sync_batch_norm: internal error: SyncBatchNorm has no "
+                        "{} '{}'",
+                        kind, item.key()));
       }
       mine->set_data(item.value().detach().clone());
       mine->set_requires_grad(item.value().requires_grad());
@@ -66,8 +67,8 @@ std::shared_ptr<SyncBatchNormImpl> replacement(const Module& bn,
 
 struct Entry {
   std::shared_ptr<torch::nn::SequentialImpl> sequential;
-  size_t index;        // entry position
-  std::string key;     // its registered child name
+  size_t index;     // entry position
+  std::string key;  // its registered child name
   const Module* bn;
 };
 

@@ -20,9 +20,9 @@ SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_
     : options(options_), comm_(std::move(comm)) {
   if (!comm_) throw InvalidArgument("SyncBatchNorm: communicator is null");
   if (options.num_features() <= 0) {
-    throw InvalidArgument(ErrorContext{comm_->rank(), comm_->world_size(), "SyncBatchNorm()", -1},
-                          fmt::format("num_features must be positive, got {}",
-                                      options.num_features()));
+    throw InvalidArgument(
+        ErrorContext{comm_->rank(), comm_->world_size(), "SyncBatchNorm()", -1},
+        fmt::format("num_features must be positive, got {}", options.num_features()));
   }
   reset();
 }
@@ -41,8 +41,8 @@ void SyncBatchNormImpl::reset() {
   if (options.track_running_stats()) {
     running_mean = register_buffer("running_mean", at::zeros({c}));
     running_var = register_buffer("running_var", at::ones({c}));
-    num_batches_tracked = register_buffer("num_batches_tracked",
-                                          at::scalar_tensor(0, at::TensorOptions(at::kLong)));
+    num_batches_tracked =
+        register_buffer("num_batches_tracked", at::scalar_tensor(0, at::TensorOptions(at::kLong)));
   } else {
     running_mean = register_buffer("running_mean", at::Tensor());
     running_var = register_buffer("running_var", at::Tensor());
@@ -82,8 +82,7 @@ void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {
 at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   const ErrorContext ctx{comm_->rank(), comm_->world_size(), "SyncBatchNorm", -1};
   if (!input.defined()) throw InvalidArgument(ctx, "input is undefined");
-  if (input.dim() < 2 || input.size(1) != options.num_features() ||
-      !input.is_floating_point()) {
+  if (input.dim() < 2 || input.size(1) != options.num_features() || !input.is_floating_point()) {
     throw InvalidArgument(
         ctx, fmt::format("expected a floating-point input of shape [N, {}, *], got {} [{}]",
                          options.num_features(), c10::toString(input.scalar_type()),

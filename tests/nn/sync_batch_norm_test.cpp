@@ -76,7 +76,9 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, double rtol, do
   DTRAIN_CHECK(got.scalar_type() == want.scalar_type(), "rank {} {}: dtype", rank, what);
   DTRAIN_CHECK(at::allclose(got.to(at::kDouble), want.to(at::kDouble), rtol, atol),
                "rank {} {} differs from BatchNorm on the global batch: max |diff| {}", rank, what,
-               got.numel() == 0 ? 0.0 : (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>());
+               got.numel() == 0
+                   ? 0.0
+                   : (got.to(at::kDouble) - want.to(at::kDouble)).abs().max().item<double>());
 }
 
 class SyncBatchNormRanks : public ::testing::TestWithParam<std::tuple<int, BnCase>> {};
@@ -87,10 +89,9 @@ TEST_P(SyncBatchNormRanks, MatchesBatchNormOnTheGlobalBatch) {
   at::set_num_threads(1);
   constexpr int64_t kChannels = 4;
   constexpr int kSteps = 3;
-  const auto options = torch::nn::BatchNormOptions(kChannels)
-                           .affine(c.affine)
-                           .track_running_stats(c.track)
-                           .momentum(c.momentum);
+  const auto options =
+      torch::nn::BatchNormOptions(kChannels).affine(c.affine).track_running_stats(c.track).momentum(
+          c.momentum);
   std::vector<int64_t> rows(c.rows.begin(), c.rows.begin() + world);
   std::vector<int64_t> row0(static_cast<size_t>(world), 0);
   for (int r = 1; r < world; ++r) row0[r] = row0[r - 1] + rows[r - 1];
@@ -114,7 +115,8 @@ TEST_P(SyncBatchNormRanks, MatchesBatchNormOnTheGlobalBatch) {
   const auto initial_params = ref.ptr()->named_parameters();
   const auto initial_buffers = ref.ptr()->named_buffers();
   std::vector<std::pair<std::string, at::Tensor>> start;
-  for (const auto& item : initial_params) start.emplace_back(item.key(), item.value().detach().clone());
+  for (const auto& item : initial_params)
+    start.emplace_back(item.key(), item.value().detach().clone());
   for (const auto& item : initial_buffers) start.emplace_back(item.key(), item.value().clone());
 
   struct Step {
@@ -145,7 +147,8 @@ TEST_P(SyncBatchNormRanks, MatchesBatchNormOnTheGlobalBatch) {
   {
     at::NoGradGuard no_grad;
     eval_y = ref.forward(eval_x);
-    for (int r = 0; r < world; ++r) eval_rows.push_back(ref.forward(eval_x.narrow(0, row0[r], rows[r])));
+    for (int r = 0; r < world; ++r)
+      eval_rows.push_back(ref.forward(eval_x.narrow(0, row0[r], rows[r])));
   }
 
   run_ranks(
@@ -196,8 +199,8 @@ TEST_P(SyncBatchNormRanks, MatchesBatchNormOnTheGlobalBatch) {
         const uint64_t issued = comm.sequence_number();
         at::NoGradGuard no_grad;
         at::Tensor y = bn->forward(eval_x.narrow(0, row0[r], rows[r]));
-        expect_close(y, c.track ? eval_y.narrow(0, row0[r], rows[r]) : eval_rows[r], c.rtol,
-                     c.atol, "evaluation output", r);
+        expect_close(y, c.track ? eval_y.narrow(0, row0[r], rows[r]) : eval_rows[r], c.rtol, c.atol,
+                     "evaluation output", r);
         DTRAIN_CHECK(comm.sequence_number() == issued, "evaluation issued a collective");
       },
       short_timeout());
@@ -219,7 +222,10 @@ std::vector<BnCase> bn_cases() {
       make("no_running_stats", [](BnCase& c) { c.track = false; }),
       make("cumulative_average", [](BnCase& c) { c.momentum = c10::nullopt; }),
       // A rank with no rows still takes part in both exchanges.
-      make("empty_rank", [](BnCase& c) { c.rows = {3, 0, 2}; }),
+      make("empty_rank",
+           [](BnCase& c) {
+             c.rows = {3, 0, 2};
+           }),
       // Ranks with a single row (no variance of their own) of BatchNorm1d's [N, C].
       make("one_row_ranks",
            [](BnCase& c) {
@@ -281,7 +287,9 @@ TEST(SyncBatchNorm, OneValuePerChannelOverAllRanksFailsOnEveryRank) {
       2,
       [](Communicator& comm) {
         SyncBatchNorm bn(torch::nn::BatchNormOptions(3), borrowed(comm));
-        const std::string e = error_of([&] { bn->forward(at::randn({comm.rank() == 0 ? 1 : 0, 3})); });
+        const std::string e = error_of([&] {
+          bn->forward(at::randn({comm.rank() == 0 ? 1 : 0, 3}));
+        });
         DTRAIN_CHECK(e.find("expected more than 1 value per channel when training, got 1 over "
                             "all ranks") != std::string::npos,
                      "rank {}: {}", comm.rank(), e);
@@ -296,8 +304,8 @@ TEST(SyncBatchNorm, OneValuePerChannelOverAllRanksFailsOnEveryRank) {
 
 struct TypedMemberImpl : torch::nn::Module {
   TypedMemberImpl()
-      : body(register_module("body", torch::nn::Sequential(torch::nn::Linear(4, 4),
-                                                            torch::nn::BatchNorm1d(4)))),
+      : body(register_module(
+            "body", torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4)))),
         bn(register_module("bn", torch::nn::BatchNorm1d(4))) {}
   at::Tensor forward(const at::Tensor& x) { return bn->forward(body->forward(x)); }
   torch::nn::Sequential body;
@@ -321,11 +329,12 @@ TEST(ConvertSyncBatchNorm, ReplacesSequentialEntriesWithTheirState) {
   run_ranks(1, [](Communicator& comm) {
     torch::manual_seed(3);
     auto shared = torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(6).momentum(0.3));
-    torch::nn::Sequential inner(torch::nn::Linear(6, 6), shared,
-                                torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(6).affine(false)));
-    torch::nn::Sequential model(torch::nn::Linear(5, 6), shared, torch::nn::Tanh(), Wrapper(inner),
-                                torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(6)
-                                                           .track_running_stats(false)));
+    torch::nn::Sequential inner(
+        torch::nn::Linear(6, 6), shared,
+        torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(6).affine(false)));
+    torch::nn::Sequential model(
+        torch::nn::Linear(5, 6), shared, torch::nn::Tanh(), Wrapper(inner),
+        torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(6).track_running_stats(false)));
     {
       at::NoGradGuard no_grad;
       for (auto& b : model->buffers()) {
@@ -386,8 +395,7 @@ TEST(ConvertSyncBatchNorm, ReplacesSequentialEntriesWithTheirState) {
 TEST(ConvertSyncBatchNorm, RefusesTypedMembersAndChangesNothing) {
   run_ranks(1, [](Communicator& comm) {
     TypedMember model;
-    const std::string e =
-        error_of([&] { convert_sync_batch_norm(model.ptr(), borrowed(comm)); });
+    const std::string e = error_of([&] { convert_sync_batch_norm(model.ptr(), borrowed(comm)); });
     DTRAIN_CHECK(e.find("cannot replace BatchNorm 'bn' (in ") != std::string::npos &&
                      e.find("TypedMemberImpl") != std::string::npos &&
                      e.find("construct it as dtrain::SyncBatchNorm") != std::string::npos,

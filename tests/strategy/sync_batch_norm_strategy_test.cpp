@@ -38,11 +38,11 @@ const std::vector<int64_t> kRows = {1, 4, 2};
 
 torch::nn::Sequential make_net(uint64_t seed) {
   torch::manual_seed(seed);
-  return torch::nn::Sequential(
-      torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)), torch::nn::BatchNorm2d(4),
-      torch::nn::Tanh(), torch::nn::Flatten(), torch::nn::Linear(4 * 4 * 4, 8),
-      torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(8).momentum(0.3)), torch::nn::Tanh(),
-      torch::nn::Linear(8, 3));
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)),
+                               torch::nn::BatchNorm2d(4), torch::nn::Tanh(), torch::nn::Flatten(),
+                               torch::nn::Linear(4 * 4 * 4, 8),
+                               torch::nn::BatchNorm1d(torch::nn::BatchNormOptions(8).momentum(0.3)),
+                               torch::nn::Tanh(), torch::nn::Linear(8, 3));
 }
 
 struct Batch {
@@ -62,8 +62,8 @@ std::vector<Batch> make_batches(int64_t total) {
 // Each rank's loss is its rows' summed squared error scaled by world / global rows: the
 // strategies average gradients over ranks, which then gives the global batch's mean loss,
 // what the reference minimizes.
-void train(Strategy& strategy, torch::nn::Module& net, const std::vector<Batch>& data,
-           int64_t row0, int64_t rows, double scale) {
+void train(Strategy& strategy, torch::nn::Module& net, const std::vector<Batch>& data, int64_t row0,
+           int64_t rows, double scale) {
   torch::optim::SGD opt(strategy.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   for (const Batch& b : data) {
     opt.zero_grad();
@@ -153,7 +153,8 @@ TEST_P(SyncBatchNormStrategies, MatchSingleDeviceBatchNormOnTheGlobalBatch) {
     // Evaluation: the running statistics, no exchange of SyncBatchNorm's.
     net->eval();
     at::NoGradGuard no_grad;
-    at::Tensor got = strategy->forward([&] { return net->forward(eval_x.narrow(0, row0[r], rows[r])); });
+    at::Tensor got =
+        strategy->forward([&] { return net->forward(eval_x.narrow(0, row0[r], rows[r])); });
     const at::Tensor want = eval_want.narrow(0, row0[r], rows[r]);
     DTRAIN_CHECK(at::allclose(got, want, 1e-5, 1e-6),
                  "rank {} evaluation output differs from single-device BatchNorm: max |diff| {}", r,
@@ -166,7 +167,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, SyncBatchNormStrategies,
                                             ::testing::Values(2, 3)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param) == Kind::kDdp ? "ddp"
-                                                                                     : "fsdp") +
+                                                                                    : "fsdp") +
                                   "_world" + std::to_string(std::get<1>(info.param));
                          });
 
