@@ -232,7 +232,7 @@ std::vector<BnCase> bn_cases() {
              c.dims = 2;
              c.rows = {2, 1, 1};
            }),
-      // fp32: the reference's kernel sums in another order; measured max |diff| about 1e-6.
+      // fp32: the reference's kernel sums in another order (float round-off, not a formula).
       make("float32",
            [](BnCase& c) {
              c.dtype = at::kFloat;
