@@ -19,4 +19,5 @@
 #include "dtrain/single_device.h"
 #include "dtrain/store.h"
 #include "dtrain/strategy.h"
+#include "dtrain/sync_batch_norm.h"
 #include "dtrain/work.h"

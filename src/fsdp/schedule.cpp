@@ -8,11 +8,34 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "comm/control_plane.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::fsdp {
+
+const char* Schedule::name_of(Phase phase) {
+  switch (phase) {
+    case Phase::kUnrecorded: return "UNRECORDED";
+    case Phase::kRecorded: return "RECORDED";
+    case Phase::kArmed: return "ARMED";
+    case Phase::kDraining: return "DRAINING";
+  }
+  return "?";
+}
+
+void Schedule::expect(const char* transition, std::initializer_list<Phase> from) {
+  for (Phase p : from) {
+    if (phase_ == p) return;
+  }
+  failed_ = true;
+  std::vector<const char*> names;
+  for (Phase p : from) names.push_back(name_of(p));
+  throw Error(ErrorContext{comms_.rank, comms_.world_size, transition, -1},
+              fmt::format("internal error: FSDP schedule is {}, {} needs {}", name_of(phase_),
+                          transition, fmt::join(names, " or ")));
+}
 
 Schedule::Schedule(ScheduleOptions options, UnitComms comms)
     : options_(options), comms_(std::move(comms)), token_(std::make_shared<Schedule*>(this)) {}
@@ -45,7 +68,9 @@ std::vector<std::string> Schedule::log() const {
 }
 
 void Schedule::issued(Collective kind, int unit, int64_t bytes) {
-  if (in_backward_) backward_log_.push_back(Issued{kind, unit});
+  if (phase_ == Phase::kArmed || phase_ == Phase::kDraining) {
+    backward_log_.push_back(Issued{kind, unit});
+  }
   stats_.bytes_communicated += bytes;
   stats_.num_collectives += 1;
 }
@@ -69,6 +94,7 @@ void Schedule::prefetch(int index, const char* why) {
 // --- forward ---
 
 void Schedule::begin_forward() {
+  expect("begin_forward", {Phase::kUnrecorded, Phase::kRecorded});
   forward_order_.clear();
   forward_reads_.clear();
   std::fill(ran_.begin(), ran_.end(), 0);
@@ -85,7 +111,7 @@ int Schedule::enter_unit(const torch::nn::Module& m, bool reads_in_backward) {
   Unit& u = units_[index];
   const size_t position = forward_order_.size();
   const ErrorContext ctx{comms_.rank, comms_.world_size, "forward", -1};
-  if (recorded_ && (position >= recorded_order_.size() || recorded_order_[position] != index)) {
+  if (order_recorded() && (position >= recorded_order_.size() || recorded_order_[position] != index)) {
     throw InvalidArgument(
         ctx,
         fmt::format("unit execution order changed: unit #{} of this forward is '{}', the first "
@@ -94,7 +120,7 @@ int Schedule::enter_unit(const torch::nn::Module& m, bool reads_in_backward) {
                     position < recorded_order_.size() ? units_[recorded_order_[position]].name()
                                                       : "nothing"));
   }
-  if (recorded_ && recorded_reads_[position] != static_cast<char>(reads_in_backward)) {
+  if (order_recorded() && recorded_reads_[position] != static_cast<char>(reads_in_backward)) {
     throw InvalidArgument(ctx, fmt::format("unit #{} of this forward, '{}', is called with "
                                            "ParamsInBackward::{}, the first iteration used {}",
                                            position, u.name(), reads_in_backward ? "kRead" : "kNotRead",
@@ -150,8 +176,9 @@ void Schedule::hook_outputs(int position, const std::vector<at::Tensor>& outputs
 }
 
 void Schedule::end_forward(Communicator& world) {
+  expect("end_forward", {Phase::kUnrecorded, Phase::kRecorded});
   const ErrorContext ctx{comms_.rank, comms_.world_size, "forward", -1};
-  if (!recorded_) {
+  if (!order_recorded()) {
     for (size_t k = 1; k < units_.size(); ++k) {
       if (!ran_[k]) {
         throw InvalidArgument(ctx, fmt::format("unit '{}' was never run through dtrain::unit_call; "
@@ -195,7 +222,7 @@ void Schedule::end_forward(Communicator& world) {
       seen_later[i] = 1;
     }
     for (int i : recorded_order_) order_names_.push_back(units_[i].name());
-    recorded_ = true;
+    phase_ = Phase::kRecorded;
   }
   // Gradients reduce in reverse execution order, the root (whose parameters, e.g. input
   // embeddings, finish last) at the end. A unit run several times (weight sharing) reduces
@@ -214,18 +241,28 @@ void Schedule::end_forward(Communicator& world) {
 // --- backward ---
 
 void Schedule::arm() {
+  expect("arm", {Phase::kRecorded});
   next_reduce_ = 0;
   next_replicate_ = 0;
   for (auto& u : units_) u.arm();
   backward_log_.clear();
-  in_backward_ = true;
-  armed_ = true;
+  phase_ = Phase::kArmed;
+}
+
+void Schedule::disarm() {
+  expect("disarm", {Phase::kArmed});
+  phase_ = Phase::kDraining;
+}
+
+void Schedule::end_backward() {
+  expect("end_backward", {Phase::kDraining});
+  phase_ = Phase::kRecorded;
 }
 
 // `position`: the unit's place in the forward order, whose output's gradient just arrived.
 void Schedule::pre_backward(int position) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!armed_) return;
+  if (phase_ != Phase::kArmed) return;  // a hook firing outside the strategy's backward
   Unit& u = units_[recorded_order_[position]];
   if (u.param_state() == Unit::ParamState::kSharded) u.unshard("");
   // Backward runs units in reverse forward order: the next one to need its parameters
@@ -237,7 +274,7 @@ void Schedule::pre_backward(int position) {
 
 void Schedule::on_grad_ready(int index) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!armed_) return;
+  if (phase_ != Phase::kArmed) return;  // a hook firing outside the strategy's backward
   if (units_[index].gradient_arrived()) launch_ready_reductions();
 }
 
@@ -331,8 +368,7 @@ void Schedule::finish_forward_as_peers_do() {
 }
 
 void Schedule::reset() {
-  armed_ = false;
-  in_backward_ = false;
+  if (phase_ != Phase::kUnrecorded) phase_ = Phase::kRecorded;
   next_reduce_ = 0;
   next_replicate_ = 0;
   backward_log_.clear();

@@ -24,6 +24,23 @@
 //
 // The unit order is recorded in the first iteration (compared across ranks by a digest) and
 // any later change is an error.
+//
+// Phase (Schedule::Phase), changed only by the transitions named on the arrows, each of which
+// checks where it starts from and otherwise throws, as the units' transitions do, e.g.
+// "internal error: FSDP schedule is RECORDED, disarm needs ARMED":
+//
+//   UNRECORDED --end_forward()--> RECORDED --arm()--> ARMED --disarm()--> DRAINING
+//   (no forward has recorded        ^  ^   (forwards,  (backward: gradient    |  (after autograd:
+//    the unit order yet; forwards   |  |   evaluation) hooks count down and   |   flush, replay,
+//    run here until one does)       |  |               launch reductions)     |   complete)
+//                                   |  +------------------ end_backward() ----+
+//                                   +-- reset() from any phase once recorded (a failed step)
+//
+// Collectives issued while ARMED or DRAINING are the backward's (logged for replay). Two
+// flags are not phases: the gradient-sync setting (set_gradient_sync, a step's
+// configuration that forward and backward both read) and the failure latch (failed(): a
+// collective or transition failed, so the collective stream may no longer match the peers';
+// it stays set, as the strategy breaks).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,6 +48,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -95,8 +113,11 @@ class Schedule final : private UnitObserver {
   // End of the forward: in the first iteration, checks that every unit ran and that every
   // rank of `world` ran them in the same order (a collective), and records the order.
   void end_forward(Communicator& world);
+  enum class Phase { kUnrecorded, kRecorded, kArmed, kDraining };
+  static const char* name_of(Phase phase);
+  Phase phase() const { return phase_; }
   // Whether a forward completed end_forward (the order is recorded).
-  bool order_recorded() const { return recorded_; }
+  bool order_recorded() const { return phase_ != Phase::kUnrecorded; }
   // Unit names in forward order, as recorded in the first iteration.
   const std::vector<std::string>& order_names() const { return order_names_; }
   // Whether a recorded call's backward reads no parameters (ParamsInBackward::kNotRead).
@@ -108,8 +129,10 @@ class Schedule final : private UnitObserver {
   // Whether the next backward reduces (Strategy::requires_gradient_sync()); set before a
   // forward (a failed forward replays the backward of this mode) and before backward.
   void set_gradient_sync(bool sync) { sync_ = sync; }
+  // RECORDED -> ARMED: every unit expects its gradients; collectives are the backward's.
   void arm();
-  void disarm() { armed_ = false; }
+  // ARMED -> DRAINING: autograd is done; gradient hooks that still fire do nothing.
+  void disarm();
   // Everything that got no gradient reduces now, in order.
   void flush();
   // Waits for every reduction.
@@ -131,12 +154,14 @@ class Schedule final : private UnitObserver {
   // gradient sync setting (a backward without sync issues only the all-gathers).
   const std::vector<Issued>& backward_log() const { return backward_log_; }
   const std::vector<Issued>& last_backward_log() const { return last_backward_log_[sync_]; }
-  void end_backward() { in_backward_ = false; }
+  // DRAINING -> RECORDED.
+  void end_backward();
   void keep_backward_log() { last_backward_log_[sync_] = backward_log_; }
   // One of the schedule's collectives or transitions failed in this step.
   bool failed_in_step() const { return failed_; }
   void finish_forward_as_peers_do();
   void replay(const std::vector<Issued>& ops, size_t from);
+  // Any phase -> RECORDED (UNRECORDED stays): every unit SHARDED / IDLE.
   void reset();
 
   // --- what the step did ---
@@ -156,9 +181,11 @@ class Schedule final : private UnitObserver {
   // call of the same unit in this forward (keep_gathered_between_calls; from the recorded
   // order, so every rank decides alike).
   bool kept_for_later_call(size_t position) const {
-    return options_.keep_gathered_between_calls && recorded_ &&
+    return options_.keep_gathered_between_calls && order_recorded() &&
            position < later_call_.size() && later_call_[position];
   }
+  // Throws (and marks the step failed) unless the phase is one of `from`.
+  void expect(const char* transition, std::initializer_list<Phase> from);
   void prefetch(int index, const char* why);
   void pre_backward(int position);
   void on_grad_ready(int index);
@@ -192,18 +219,16 @@ class Schedule final : private UnitObserver {
   // Per recorded position: whether the same unit is called again later in the forward.
   std::vector<char> later_call_;
   std::vector<std::string> order_names_;
-  bool recorded_ = false;
+  Phase phase_ = Phase::kUnrecorded;
   std::vector<char> ran_;
   std::vector<char> running_;  // between enter_unit and exit_unit
   std::vector<int> reduce_order_;
   size_t next_reduce_ = 0;
   size_t next_replicate_ = 0;  // reduce_order_ position of the next unit to all-reduce
-  bool armed_ = false;
-  bool sync_ = true;
+  bool sync_ = true;  // the step's gradient-sync setting
   Clock::time_point first_reduce_;
 
-  bool in_backward_ = false;  // collectives issued now are logged in backward_log_
-  bool failed_ = false;
+  bool failed_ = false;  // the failure latch (see the top of this file)
   std::vector<Issued> backward_log_, last_backward_log_[2];  // [sync]
 
   mutable std::mutex mu_;

@@ -1,6 +1,6 @@
 // FSDP's parts without a communicator: the flat parameter (layout, shards, views, release and
-// refill, gradient flattening) and the unit's state machine (every transition checks where it
-// starts from).
+// refill, gradient flattening), the unit's state machine (every transition checks where it
+// starts from) and the schedule's phase (likewise).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
@@ -10,8 +10,11 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/communicator.h"
 #include "dtrain/errors.h"
+#include "dtrain/store.h"
 #include "fsdp/flat_param.h"
+#include "fsdp/schedule.h"
 #include "fsdp/unit.h"
 
 namespace dtrain::fsdp {
@@ -396,6 +399,48 @@ TEST(FsdpUnit, HeldGradientsJoinTheNextReduction) {
   EXPECT_FALSE(u.held_gradient().defined()) << "the held sum was reduced and let go";
   EXPECT_TRUE(at::equal(u.flat().shard().grad(), at::full({13}, 3.0)));
   expect_internal_error([&] { u.hold(); }, "gradient is IDLE, hold needs ACCUMULATING");
+}
+
+// The schedule's phase moves only through its transitions, each checking where it starts from:
+// a refused one names the phase and what the transition needs, and marks the step failed.
+TEST(FsdpSchedule, PhaseTransitionsCheckWhereTheyStartFrom) {
+  Schedule s(ScheduleOptions{}, UnitComms{});  // no groups: gathering is a local copy
+  s.add_unit("(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}));
+  auto world = make_communicator(make_memory_store(), 0, 1);  // for end_forward's digest
+  EXPECT_EQ(s.phase(), Schedule::Phase::kUnrecorded);
+  EXPECT_FALSE(s.failed_in_step());
+  expect_internal_error([&] { s.arm(); },
+                        "internal error: FSDP schedule is UNRECORDED, arm needs RECORDED");
+  EXPECT_TRUE(s.failed_in_step()) << "a refused transition marks the step failed";
+  expect_internal_error([&] { s.end_backward(); },
+                        "FSDP schedule is UNRECORDED, end_backward needs DRAINING");
+
+  s.begin_forward();
+  s.end_forward(*world);
+  EXPECT_EQ(s.phase(), Schedule::Phase::kRecorded);
+  EXPECT_TRUE(s.order_recorded());
+  expect_internal_error([&] { s.disarm(); }, "FSDP schedule is RECORDED, disarm needs ARMED");
+  s.begin_forward();  // forwards and evaluations run in RECORDED
+  s.end_forward(*world);
+
+  s.arm();
+  EXPECT_EQ(s.phase(), Schedule::Phase::kArmed);
+  expect_internal_error([&] { s.begin_forward(); },
+                        "FSDP schedule is ARMED, begin_forward needs UNRECORDED or RECORDED");
+  expect_internal_error([&] { s.arm(); }, "FSDP schedule is ARMED, arm needs RECORDED");
+  s.disarm();
+  EXPECT_EQ(s.phase(), Schedule::Phase::kDraining);
+  expect_internal_error([&] { s.end_forward(*world); },
+                        "FSDP schedule is DRAINING, end_forward needs UNRECORDED or RECORDED");
+  s.end_backward();
+  EXPECT_EQ(s.phase(), Schedule::Phase::kRecorded);
+
+  // A failed step: reset() from the middle of a backward, the order stays recorded.
+  s.reset();
+  s.arm();
+  s.reset();
+  EXPECT_EQ(s.phase(), Schedule::Phase::kRecorded);
+  EXPECT_EQ(s.unit(0).grad_state(), Unit::GradState::kIdle);
 }
 
 }  // namespace
