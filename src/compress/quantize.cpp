@@ -30,12 +30,12 @@ void check(bool ok, const char* op, const std::string& why) {
   if (!ok) throw InvalidArgument(ErrorContext{-1, -1, op, -1}, why);
 }
 
-void check_args(const at::Tensor& values, const at::Tensor& bytes, Quantization q,
-                int64_t block, const char* op) {
+void check_args(const at::Tensor& values, const at::Tensor& bytes, Quantization q, int64_t block,
+                const char* op) {
   check(q != Quantization::kNone, op, "nothing to do for Quantization::kNone");
   check(block >= 1, op, fmt::format("block size must be >= 1, got {}", block));
-  check(values.dim() == 1 && values.is_contiguous() && at::isFloatingType(values.scalar_type()),
-        op, "values must be a contiguous 1-D floating tensor");
+  check(values.dim() == 1 && values.is_contiguous() && at::isFloatingType(values.scalar_type()), op,
+        "values must be a contiguous 1-D floating tensor");
   check(bytes.dim() == 1 && bytes.is_contiguous() && bytes.scalar_type() == at::kByte, op,
         "the quantised tensor must be a contiguous 1-D uint8 tensor");
   check(bytes.device() == values.device(), op, "values and quantised tensor on different devices");

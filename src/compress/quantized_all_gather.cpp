@@ -14,9 +14,9 @@ WorkPtr quantized_all_gather(Communicator& comm, at::Tensor output, const at::Te
   const int world = comm.world_size();
   const int64_t n = input.numel();
   if (output.numel() != n * world) {
-    throw InvalidArgument(ErrorContext{comm.rank(), world, "quantized_all_gather", -1},
-                          fmt::format("output has {} elements, {} ranks x {} expected",
-                                      output.numel(), world, n));
+    throw InvalidArgument(
+        ErrorContext{comm.rank(), world, "quantized_all_gather", -1},
+        fmt::format("output has {} elements, {} ranks x {} expected", output.numel(), world, n));
   }
   const int64_t bytes = quantized_bytes(q, n, block);
   const auto byte_options = input.options().dtype(at::kByte);

@@ -11,10 +11,10 @@ namespace dtrain::detail {
 void orthonormalize_rows(at::Tensor rows) {
   if (rows.scalar_type() != at::kFloat || rows.dim() != 2 || !rows.is_contiguous() ||
       rows.size(0) > rows.size(1)) {
-    throw InvalidArgument("orthonormalize_rows: expects a contiguous 2-D fp32 tensor with no "
-                          "more rows than columns, got " +
-                          std::string(c10::toString(rows.scalar_type())) + " of shape " +
-                          c10::str(rows.sizes()));
+    throw InvalidArgument(
+        "orthonormalize_rows: expects a contiguous 2-D fp32 tensor with no "
+        "more rows than columns, got " +
+        std::string(c10::toString(rows.scalar_type())) + " of shape " + c10::str(rows.sizes()));
   }
   if (rows.size(0) == 0) return;
   // Householder QR, not Gram-Schmidt: PowerSGD's P is rank-deficient whenever r exceeds the

@@ -67,15 +67,14 @@ PowerSgdHook::PowerSgdHook(PowerSgdOptions options) : options_(options) {
         options_.start_iter));
   }
   if (!(options_.min_compression_rate >= 0)) {
-    invalid(fmt::format("min_compression_rate must be >= 0, got {}",
-                        options_.min_compression_rate));
+    invalid(
+        fmt::format("min_compression_rate must be >= 0, got {}", options_.min_compression_rate));
   }
 }
 
 PowerSgdHook::~PowerSgdHook() = default;
 
-PowerSgdHook::Bucket& PowerSgdHook::bucket_state(const Communicator& comm,
-                                                 const GradBucket& b) {
+PowerSgdHook::Bucket& PowerSgdHook::bucket_state(const Communicator& comm, const GradBucket& b) {
   auto& slot = buckets_[b.index];
   if (!slot) slot = std::make_unique<Bucket>();
   Bucket& s = *slot;
@@ -146,8 +145,9 @@ WorkPtr PowerSgdHook::run(Communicator& comm, GradBucket& b) {
   const int64_t step = iteration_;
   if (b.is_last) ++iteration_;
   if (!at::isFloatingType(b.buffer.scalar_type())) {
-    throw InvalidArgument(context(comm), fmt::format("bucket {} is not floating point ({})",
-                                                     b.index, c10::toString(b.buffer.scalar_type())));
+    throw InvalidArgument(context(comm),
+                          fmt::format("bucket {} is not floating point ({})", b.index,
+                                      c10::toString(b.buffer.scalar_type())));
   }
   if (step < options_.start_iter) return comm.all_reduce(b.buffer, ReduceOp::kAvg);
 

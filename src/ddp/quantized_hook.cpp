@@ -37,9 +37,7 @@ class QuantizedAllReduceHook final : public CommHook {
       buffer.copy_(sum.div_(world));
     });
   }
-  std::string name() const override {
-    return std::string("quantized_") + to_string(q_);
-  }
+  std::string name() const override { return std::string("quantized_") + to_string(q_); }
 
  private:
   Quantization q_;

@@ -51,9 +51,8 @@ TEST_P(QuantizeRoundTrip, ErrorWithinTheStatedBound) {
     bound = amax.reshape({-1}).narrow(0, 0, numel) / 254.0 * (1 + 1e-4);
   }
   const at::Tensor over = err > bound;
-  EXPECT_FALSE(over.any().item<bool>())
-      << "worst excess " << (err - bound).max().item<double>() << " at "
-      << (err - bound).argmax().item<int64_t>();
+  EXPECT_FALSE(over.any().item<bool>()) << "worst excess " << (err - bound).max().item<double>()
+                                        << " at " << (err - bound).argmax().item<int64_t>();
   // Zeros come back as zeros.
   EXPECT_TRUE(at::equal(y.masked_select(x == 0), at::zeros({(x == 0).sum().item<int64_t>()})));
   // Into another dtype: the same values, converted.
@@ -62,15 +61,15 @@ TEST_P(QuantizeRoundTrip, ErrorWithinTheStatedBound) {
   EXPECT_TRUE(at::equal(y64.to(at::kFloat), y));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DtypesBlocksSizes, QuantizeRoundTrip,
-    ::testing::Combine(::testing::Values(Quantization::kBf16, Quantization::kInt8),
-                       ::testing::Values<int64_t>(1, 7, 64, 256, 4096),
-                       ::testing::Values<int64_t>(1, 3, 255, 257, 1000, 4099)),
-    [](const auto& info) {
-      return fmt::format("{}_block{}_n{}", to_string(std::get<0>(info.param)),
-                         std::get<1>(info.param), std::get<2>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(DtypesBlocksSizes, QuantizeRoundTrip,
+                         ::testing::Combine(::testing::Values(Quantization::kBf16,
+                                                              Quantization::kInt8),
+                                            ::testing::Values<int64_t>(1, 7, 64, 256, 4096),
+                                            ::testing::Values<int64_t>(1, 3, 255, 257, 1000, 4099)),
+                         [](const auto& info) {
+                           return fmt::format("{}_block{}_n{}", to_string(std::get<0>(info.param)),
+                                              std::get<1>(info.param), std::get<2>(info.param));
+                         });
 
 TEST(Quantize, AllZerosAndBadArguments) {
   at::Tensor zeros = at::zeros({300});

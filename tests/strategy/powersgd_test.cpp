@@ -133,16 +133,17 @@ TEST_P(PowerSgdErrorFeedback, AccumulatedUpdatesConvergeToTheUncompressedSum) {
       at::Tensor exact = avg * lengths[k];
       // The closed form, to fp32 round-off over T steps.
       const double identity = l2(sum - (exact - error)) / l2(exact);
-      DTRAIN_CHECK(identity < 1e-5, "rank {} T={}: sum - (T avg - e) is {} of T avg",
-                   comm.rank(), lengths[k], identity);
+      DTRAIN_CHECK(identity < 1e-5, "rank {} T={}: sum - (T avg - e) is {} of T avg", comm.rank(),
+                   lengths[k], identity);
       // The bias is all-reduced exactly: no error there.
-      DTRAIN_CHECK(l2(error.narrow(0, 48, 5)) == 0.0, "rank {}: error on the bias",
-                   comm.rank());
+      DTRAIN_CHECK(l2(error.narrow(0, 48, 5)) == 0.0, "rank {}: error on the bias", comm.rank());
       relative[k] = l2(sum - exact) / l2(exact);
     }
     // 10x the steps: 1/T would give a tenth; ask for a quarter.
-    DTRAIN_CHECK(relative[1] < relative[0] / 4, "rank {}: relative distance {} at T=20, {} at "
-                 "T=200", comm.rank(), relative[0], relative[1]);
+    DTRAIN_CHECK(relative[1] < relative[0] / 4,
+                 "rank {}: relative distance {} at T=20, {} at "
+                 "T=200",
+                 comm.rank(), relative[0], relative[1]);
 
     o.error_feedback = false;
     PowerSgdHook lossy(o);
@@ -177,8 +178,10 @@ TEST(PowerSgdWarmStart, RecoversFromAZeroGradientStep) {
     }
     const at::Tensor want = exact_average(2).narrow(0, 0, 48);
     const double sent = l2(h.buffer.narrow(0, 0, 48));
-    DTRAIN_CHECK(sent > 0.1 * l2(want), "rank {}: the matrix's update after a zero step has "
-                 "norm {} (exact average {})", comm.rank(), sent, l2(want));
+    DTRAIN_CHECK(sent > 0.1 * l2(want),
+                 "rank {}: the matrix's update after a zero step has "
+                 "norm {} (exact average {})",
+                 comm.rank(), sent, l2(want));
   });
 }
 
@@ -243,8 +246,8 @@ TEST(PowerSgdState, RestoredHookContinuesBitForBit) {
   });
   PowerSgdHook hook(PowerSgdOptions{});
   EXPECT_THROW(hook.load_state({}), InvalidArgument);
-  EXPECT_THROW(hook.load_state({{"iteration", at::zeros({1}, at::kLong)},
-                                {"bucket.x.error", at::zeros({3})}}),
+  EXPECT_THROW(hook.load_state(
+                   {{"iteration", at::zeros({1}, at::kLong)}, {"bucket.x.error", at::zeros({3})}}),
                InvalidArgument);
 }
 
@@ -255,8 +258,8 @@ TEST(PowerSgdState, StateOfAnotherLayoutIsRefused) {
     PowerSgdOptions o;
     o.start_iter = 2;
     PowerSgdHook hook(o);
-    hook.load_state({{"iteration", at::full({1}, 7, at::kLong)},
-                     {"bucket.0.error", at::zeros({52})}});
+    hook.load_state(
+        {{"iteration", at::full({1}, 7, at::kLong)}, {"bucket.0.error", at::zeros({52})}});
     HandBucket h;
     GradBucket b = h.bucket();
     try {
