@@ -7,6 +7,12 @@
 #   veth_hosts_down                  # kills what runs there, deletes both (also on EXIT)
 #
 # Needs root (CAP_NET_ADMIN) and ip(8); veth_hosts_up prints why when it cannot.
+#
+# A slow link: with VETH_RATE (tc's rate syntax, e.g. 1gbit, 100mbit) and/or VETH_DELAY
+# (e.g. 0.5ms) set, veth_hosts_up also puts tc qdiscs on both ends of the pair (tbf for the
+# rate, netem for the delay: each direction limited and delayed; needs tc(8), and sch_netem
+# in the kernel for a delay). They touch only this pair, inside the two namespaces, and go
+# with them.
 
 veth_hosts_up() {
   ns_a="${1}a"
@@ -36,6 +42,44 @@ veth_hosts_up() {
     veth_hosts_down
     return 1
   }
+  if [ -n "${VETH_RATE:-}${VETH_DELAY:-}" ]; then
+    veth_hosts_throttle "${1}va" "${1}vb" || {
+      veth_hosts_down
+      return 1
+    }
+  fi
+}
+
+# Each end of the pair, i.e. each direction: VETH_DELAY through netem (root) and VETH_RATE
+# through tbf (netem's child, or root alone without a delay; bucket VETH_BURST, default
+# 256kb, queueing up to 100 ms before dropping).
+veth_hosts_throttle() {
+  if ! command -v tc >/dev/null 2>&1; then
+    echo "VETH_RATE/VETH_DELAY need the 'tc' command (iproute2)"
+    return 1
+  fi
+  for end in "$ns_a:$1" "$ns_b:$2"; do
+    ns=${end%%:*}
+    dev=${end#*:}
+    parent="root"
+    if [ -n "${VETH_DELAY:-}" ]; then
+      if ! err=$(tc -n "$ns" qdisc add dev "$dev" root handle 1: netem delay "$VETH_DELAY" \
+        limit 100000 2>&1); then
+        echo "VETH_DELAY: tc netem on $dev failed ($err; the kernel needs sch_netem)"
+        return 1
+      fi
+      parent="parent 1:1"
+    fi
+    if [ -n "${VETH_RATE:-}" ]; then
+      # shellcheck disable=SC2086 # $parent is two words when netem is the root
+      if ! err=$(tc -n "$ns" qdisc add dev "$dev" $parent handle 10: tbf rate "$VETH_RATE" \
+        burst "${VETH_BURST:-256kb}" latency 100ms 2>&1); then
+        echo "VETH_RATE: tc tbf on $dev failed ($err)"
+        return 1
+      fi
+    fi
+  done
+  echo "veth link: rate ${VETH_RATE:-unlimited}, delay ${VETH_DELAY:-none} each way"
 }
 
 ns_a=""

@@ -152,7 +152,21 @@ ABSL_FLAG(std::string, loss, "fused",
 ABSL_FLAG(std::string, comm_hook, "allreduce",
           "How gradients are reduced. ddp: allreduce (average in fp32) | fp16 | bf16 (compress "
           "to 16 bits on the wire) | ps (parameter server: rank 0 gathers, averages and "
-          "broadcasts). fsdp: allreduce | fp16 | bf16 (FSDP's reduce_dtype).");
+          "broadcasts) | powersgd (low-rank compression, --powersgd_rank). fsdp: allreduce | "
+          "fp16 | bf16 (FSDP's reduce_dtype).");
+ABSL_FLAG(std::string, quantize_grads, "none",
+          "ddp: gradients on the wire as int8 (blockwise, an fp32 scale per 256 values) | bf16 "
+          "| none, all-gathered and averaged in fp32 (dtrain::quantized_allreduce_hook; "
+          "replaces --comm_hook).");
+ABSL_FLAG(std::string, quantize_params, "none",
+          "fsdp: parameters' all-gathers on the wire as int8 (blockwise) | bf16 | none "
+          "(FsdpOptions::quantize_params); the fp32 shards stay exact.");
+ABSL_FLAG(int32_t, powersgd_rank, 1,
+          "--comm_hook powersgd: rank of the gradient approximation (1-4 typical; higher is "
+          "closer to the exact gradient and sends more).");
+ABSL_FLAG(int64_t, powersgd_start_iter, 10,
+          "--comm_hook powersgd: optimizer steps reduced by a plain all-reduce before "
+          "compression starts (at least 2).");
 ABSL_FLAG(double, bucket_mb, 25.0, "ddp: gradient bucket size in MiB.");
 ABSL_FLAG(std::string, sharding, "full",
           "fsdp: full (ZeRO-3: parameters freed after forward and backward) | grad_op (ZeRO-2: "
@@ -325,8 +339,34 @@ Config config_from_flags() {
                                      {{"allreduce", CommHookKind::kAllreduce},
                                       {"fp16", CommHookKind::kFp16},
                                       {"bf16", CommHookKind::kBf16},
-                                      {"ps", CommHookKind::kParameterServer}},
-                                     "--comm_hook must be allreduce, fp16, bf16 or ps");
+                                      {"ps", CommHookKind::kParameterServer},
+                                      {"powersgd", CommHookKind::kPowerSgd}},
+                                     "--comm_hook must be allreduce, fp16, bf16, ps or powersgd");
+  using dtrain::Quantization;
+  c.quantize_grads = choose<Quantization>(absl::GetFlag(FLAGS_quantize_grads),
+                                          {{"none", Quantization::kNone},
+                                           {"bf16", Quantization::kBf16},
+                                           {"int8", Quantization::kInt8}},
+                                          "--quantize_grads must be int8, bf16 or none");
+  c.quantize_params = choose<Quantization>(absl::GetFlag(FLAGS_quantize_params),
+                                           {{"none", Quantization::kNone},
+                                            {"bf16", Quantization::kBf16},
+                                            {"int8", Quantization::kInt8}},
+                                           "--quantize_params must be int8, bf16 or none");
+  check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy == StrategyKind::kDdp,
+        "--quantize_grads is implemented for --strategy ddp only (fsdp's quantised "
+        "reduce-scatter needs an all-to-all the communicator does not have yet)");
+  check(c.quantize_grads == dtrain::Quantization::kNone ||
+            c.comm_hook == CommHookKind::kAllreduce,
+        "--quantize_grads chooses ddp's comm hook itself: leave --comm_hook at allreduce");
+  check(c.quantize_params == dtrain::Quantization::kNone || c.strategy == StrategyKind::kFsdp,
+        "--quantize_params applies to --strategy fsdp (ddp gathers no parameters)");
+  c.powersgd_rank = absl::GetFlag(FLAGS_powersgd_rank);
+  c.powersgd_start_iter = absl::GetFlag(FLAGS_powersgd_start_iter);
+  check(c.powersgd_rank >= 1, "--powersgd_rank must be >= 1");
+  check(c.powersgd_start_iter >= 2,
+        "--powersgd_start_iter must be >= 2 (DataParallel rebuilds its buckets after the first "
+        "step; PowerSGD's state is made for the final ones)");
   c.sharding = choose<ShardingStrategy>(absl::GetFlag(FLAGS_sharding),
                                         {{"full", ShardingStrategy::kFullShard},
                                          {"grad_op", ShardingStrategy::kShardGradOp},
@@ -345,9 +385,10 @@ Config config_from_flags() {
   check(c.precision != Precision::kFp16 || c.device == DeviceKind::kCuda,
         "--precision fp16 needs --device cuda (CPU kernels lack fp16; use bf16 on CPU)");
   if (c.strategy == StrategyKind::kFsdp) {
-    check(c.comm_hook != CommHookKind::kParameterServer,
-          "--comm_hook ps is a DataParallel hook; fsdp reduces with reduce-scatter (allreduce, "
-          "fp16 or bf16 reduce dtype)");
+    check(c.comm_hook != CommHookKind::kParameterServer &&
+              c.comm_hook != CommHookKind::kPowerSgd,
+          "--comm_hook ps and powersgd are DataParallel hooks; fsdp reduces with reduce-scatter "
+          "(allreduce, fp16 or bf16 reduce dtype)");
   }
   const std::string loss_scale = absl::GetFlag(FLAGS_loss_scale);
   c.loss_scale_value = absl::GetFlag(FLAGS_loss_scale_init);

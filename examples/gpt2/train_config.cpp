@@ -45,6 +45,8 @@ const char* to_string(CommHookKind v) {
       return "bf16";
     case CommHookKind::kParameterServer:
       return "ps";
+    case CommHookKind::kPowerSgd:
+      return "powersgd";
   }
   return "?";
 }

@@ -25,7 +25,7 @@ enum class Precision { kFp32, kBf16, kFp16 };
 // fused: the LM head's cross-entropy chunk by chunk (lm_head_loss.h); standard: logits first.
 enum class LossKind { kFused, kStandard };
 // How gradients are reduced: ddp's comm hook, or fsdp's reduce dtype (kAllreduce: fp32).
-enum class CommHookKind { kAllreduce, kFp16, kBf16, kParameterServer };
+enum class CommHookKind { kAllreduce, kFp16, kBf16, kParameterServer, kPowerSgd };
 // kText: a file or folder (empty path: the built-in corpus); kRandom: uniform random tokens.
 enum class DataKind { kText, kRandom };
 enum class TokenizerKind { kGpt2, kByte };
@@ -84,6 +84,10 @@ struct Config {
   int64_t loss_scale_interval = 2000;               // kDynamic: clean steps before growing
   LossKind loss = LossKind::kFused;
   CommHookKind comm_hook = CommHookKind::kAllreduce;
+  dtrain::Quantization quantize_grads = dtrain::Quantization::kNone;   // ddp
+  dtrain::Quantization quantize_params = dtrain::Quantization::kNone;  // fsdp
+  int powersgd_rank = 1;             // --comm_hook powersgd
+  int64_t powersgd_start_iter = 10;  // --comm_hook powersgd
   double bucket_mb = 0;
   dtrain::ShardingStrategy sharding = dtrain::ShardingStrategy::kFullShard;
   int shard_group_size = 0;

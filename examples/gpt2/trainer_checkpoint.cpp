@@ -26,6 +26,12 @@ int64_t Trainer::resume_step() {
       dtrain::load_checkpoint(latest, *strategy_, optimizer_.get(), {}, &stats);
   say(fmt::format("resume: step {} from {} ({:.1f} MiB read in {:.2f} s on rank 0)", state.step,
                   latest, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  if (c_.comm_hook == CommHookKind::kPowerSgd) {
+    // Error buffers and Q differ per rank; the checkpoint format has no per-rank tensors yet.
+    say(fmt::format("resume: PowerSGD's state (error feedback, Q) is not in checkpoints: it "
+                    "starts afresh, with {} plain all-reduce steps",
+                    c_.powersgd_start_iter));
+  }
   if (scaler_) {
     if (state.values.count("grad_scaler.scale") != 0) {
       scaler_->load_state_dict(state.values);

@@ -19,6 +19,8 @@
 #include <fmt/format.h>
 
 #include "dtrain/comm_hook.h"
+#include "dtrain/powersgd.h"
+#include "dtrain/quantization.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/fused_adamw.h"
 #include "dtrain/host_memory.h"
@@ -200,9 +202,26 @@ void Trainer::setup_model_and_strategy() {
       if (c_.comm_hook == CommHookKind::kParameterServer) {
         o.comm_hook = dtrain::parameter_server_hook(0);
       }
+      if (c_.comm_hook == CommHookKind::kPowerSgd) {
+        dtrain::PowerSgdOptions p;
+        p.rank = c_.powersgd_rank;
+        p.start_iter = c_.powersgd_start_iter;
+        p.seed = static_cast<uint64_t>(c_.seed);
+        o.comm_hook = dtrain::powersgd_hook(p);
+      }
+      if (c_.quantize_grads != dtrain::Quantization::kNone) {
+        o.comm_hook = dtrain::quantized_allreduce_hook(c_.quantize_grads);
+      }
       strategy_ = std::make_shared<dtrain::DataParallel>(module, comm_, o);
       details =
           fmt::format(", comm hook {}, buckets {} MiB", to_string(c_.comm_hook), c_.bucket_mb);
+      if (c_.quantize_grads != dtrain::Quantization::kNone) {
+        details += fmt::format(", gradients {} on the wire", to_string(c_.quantize_grads));
+      }
+      if (c_.comm_hook == CommHookKind::kPowerSgd) {
+        details += fmt::format(" (rank {}, from step {})", c_.powersgd_rank,
+                               c_.powersgd_start_iter);
+      }
       break;
     }
     case StrategyKind::kFsdp: {
@@ -217,6 +236,7 @@ void Trainer::setup_model_and_strategy() {
       o.mixed_precision.cpu_check = quiet_bf16_check;
       if (c_.comm_hook == CommHookKind::kBf16) o.mixed_precision.reduce_dtype = at::kBFloat16;
       if (c_.comm_hook == CommHookKind::kFp16) o.mixed_precision.reduce_dtype = at::kHalf;
+      o.quantize_params = c_.quantize_params;
       if (o.sharding == dtrain::ShardingStrategy::kHybridShard) {
         const int group = c_.shard_group_size > 0 ? c_.shard_group_size : info_.local_world_size;
         check(store_ != nullptr && info_.world_size % group == 0,
@@ -233,6 +253,9 @@ void Trainer::setup_model_and_strategy() {
       details =
           fmt::format(", sharding {}, prefetch {}, reduce {}", sharding_flag_name(c_.sharding),
                       prefetch_flag_name(c_.prefetch), to_string(c_.comm_hook));
+      if (c_.quantize_params != dtrain::Quantization::kNone) {
+        details += fmt::format(", parameters {} on the wire", to_string(c_.quantize_params));
+      }
       break;
     }
   }

@@ -13,6 +13,8 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/fused_adamw.h"
 #include "dtrain/grad_scaler.h"
+#include "dtrain/powersgd.h"
+#include "dtrain/quantization.h"
 #include "dtrain/host_memory.h"
 #include "dtrain/launcher.h"
 #include "dtrain/rendezvous.h"

@@ -67,6 +67,7 @@
 
 #include "dtrain/blas.h"
 #include "dtrain/communicator.h"
+#include "dtrain/quantization.h"
 #include "dtrain/strategy.h"
 
 namespace torch::nn {
@@ -148,6 +149,14 @@ struct FsdpOptions {
   // group (all-reduce over it); see make_hybrid_groups. Ignored by other strategies.
   CommunicatorPtr shard_group;
   CommunicatorPtr replicate_group;
+  // Parameters' all-gathers quantised on the wire (ZeRO++'s qwZ; dtrain/quantization.h): each
+  // rank sends its shard in bf16 or blockwise int8 and every rank computes with the
+  // dequantised parameters (its own part included, so that all ranks compute alike). The fp32
+  // shards the optimizer steps stay exact; only the compute copy carries the quantisation
+  // error. int8 sends about a quarter of fp32's bytes (half of bf16 param_dtype's).
+  Quantization quantize_params = Quantization::kNone;
+  // Values per int8 scale (quantize_params int8); >= 1.
+  int64_t quantization_block = kDefaultQuantizationBlock;
 };
 
 class FullyShardedDataParallel final : public Strategy {

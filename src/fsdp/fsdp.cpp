@@ -58,6 +58,12 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
   }
   const auto param_dtype = options.mixed_precision.param_dtype.value_or(at::kFloat);
   c.reduce_dtype = options.mixed_precision.reduce_dtype.value_or(param_dtype);
+  if (options.quantization_block < 1) {
+    throw InvalidArgument(ctx, "quantization_block must be >= 1, got " +
+                                   std::to_string(options.quantization_block));
+  }
+  c.quantize_params = options.quantize_params;
+  c.quantization_block = options.quantization_block;
   return c;
 }
 

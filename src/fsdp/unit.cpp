@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "compat/torch_compat.h"
+#include "compress/quantized_all_gather.h"
 
 namespace dtrain::fsdp {
 
@@ -98,9 +99,17 @@ void Unit::unshard(const char* why) {
     state_ = ParamState::kUnsharded;
   } else {
     gather_input_ = flat_.gather_input();
-    collective([&] { gather_work_ = comms_->shard->all_gather(flat_.full(), gather_input_); });
-    observer_->issued(Collective::kAllGather, index_,
-                      static_cast<int64_t>(gather_input_.nbytes()));
+    int64_t bytes = static_cast<int64_t>(gather_input_.nbytes());
+    if (comms_->quantize_params != Quantization::kNone) {
+      collective([&] {
+        gather_work_ = detail::quantized_all_gather(*comms_->shard, flat_.full(), gather_input_,
+                                                    comms_->quantize_params,
+                                                    comms_->quantization_block, &bytes);
+      });
+    } else {
+      collective([&] { gather_work_ = comms_->shard->all_gather(flat_.full(), gather_input_); });
+    }
+    observer_->issued(Collective::kAllGather, index_, bytes);
     state_ = ParamState::kGathering;
   }
   observer_->record(fmt::format("all_gather:{}{}", name_, why));

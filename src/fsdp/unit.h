@@ -50,6 +50,7 @@
 
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
+#include "dtrain/quantization.h"
 #include "dtrain/work.h"
 #include "fsdp/flat_param.h"
 
@@ -67,6 +68,9 @@ struct UnitComms {
   CommunicatorPtr shard;      // null: one shard, nothing to gather or reduce-scatter
   CommunicatorPtr replicate;  // null: no replicas to all-reduce over
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
+  // The parameters' all-gather over `shard` quantised on the wire (FsdpOptions).
+  Quantization quantize_params = Quantization::kNone;
+  int64_t quantization_block = kDefaultQuantizationBlock;
   int rank = 0, world_size = 1;  // of the whole job, for messages
 };
 

@@ -13,6 +13,7 @@
 
 #include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
+#include "dtrain/powersgd.h"
 #include "dtrain/single_device.h"
 #include "strategy/training.h"
 #include "support/check.h"
@@ -43,6 +44,18 @@ TEST_P(DataParallelEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
     train(c, ddp, *modules[r], data, r * kLocalBatch, kLocalBatch, &ddp);
     expect_same_parameters(*ref_module, *modules[r], r, c.rtol, c.atol);
   });
+}
+
+// PowerSGD compressing every matrix at full rank (r = min(rows, columns)): P P^T projects
+// onto the whole column space of the summed gradient, so the result is the all-reduce's.
+std::shared_ptr<CommHook> full_rank_powersgd() {
+  PowerSgdOptions o;
+  o.rank = 1 << 20;
+  o.start_iter = 0;
+  o.min_compression_rate = 0;
+  o.error_feedback = false;
+  o.warm_start = false;
+  return powersgd_hook(o);
 }
 
 std::vector<Case> cases() {
@@ -127,6 +140,20 @@ std::vector<Case> cases() {
              // Measured here: max |diff| 6.5e-4 (worlds 1-4).
              c.rtol = 1e-2;
              c.atol = 2e-3;
+           }),
+      // Gram-Schmidt and the two products add fp32 round-off, nothing more.
+      make("mlp_powersgd_full_rank",
+           [](Case& c) {
+             c.hook = full_rank_powersgd;
+             c.rtol = 1e-4;
+             c.atol = 1e-5;
+           }),
+      make("transformer_powersgd_full_rank",
+           [](Case& c) {
+             c.model = Model::kTransformer;
+             c.hook = full_rank_powersgd;
+             c.rtol = 1e-4;
+             c.atol = 1e-5;
            }),
   };
 }

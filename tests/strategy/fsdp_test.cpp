@@ -32,6 +32,7 @@ struct FsdpCase {
   double clip = 0;
   bool accumulate = false;  // two micro-batches per step, the first under no_sync()
   c10::optional<c10::ScalarType> param_dtype;
+  Quantization quantize_params = Quantization::kNone;
   double rtol = 1e-5, atol = 1e-6;
 };
 void PrintTo(const FsdpCase& c, std::ostream* os) { *os << c.name; }
@@ -59,6 +60,8 @@ TEST_P(FsdpEquivalence, MatchesSingleDeviceOnTheGlobalBatch) {
     o.forward_prefetch = fc.forward_prefetch;
     o.wrap_policy = fc.nested ? blocks_and_nested_up() : wrap_modules_named("BlockImpl");
     o.mixed_precision.param_dtype = fc.param_dtype;
+    o.quantize_params = fc.quantize_params;
+    o.quantization_block = 64;
     o.shard_group = g.shard_group;
     o.replicate_group = g.replicate_group;
     FullyShardedDataParallel fsdp(modules[r],
@@ -150,6 +153,25 @@ FsdpCase bf16_case() {
 INSTANTIATE_TEST_SUITE_P(MixedPrecision, FsdpEquivalence,
                          ::testing::Values(std::make_tuple(2, bf16_case())),
                          [](const auto&) { return std::string("bf16_params_world2"); });
+
+// Parameters gathered in int8 (blocks of 64) or bf16: the compute copy carries one
+// quantisation of each parameter per gather, the fp32 shards stay exact.
+FsdpCase quantized_params_case(Quantization q) {
+  FsdpCase c;
+  c.name = std::string(to_string(q)) + "_quantized_params";
+  c.quantize_params = q;
+  c.rtol = 1e-2;
+  c.atol = 1e-2;
+  return c;
+}
+INSTANTIATE_TEST_SUITE_P(
+    QuantizedParams, FsdpEquivalence,
+    ::testing::Values(std::make_tuple(2, quantized_params_case(Quantization::kInt8)),
+                      std::make_tuple(4, quantized_params_case(Quantization::kInt8)),
+                      std::make_tuple(2, quantized_params_case(Quantization::kBf16))),
+    [](const auto& info) {
+      return std::get<1>(info.param).name + "_world" + std::to_string(std::get<0>(info.param));
+    });
 
 // One training step on `world` threads with `options`; returns rank 0's collective log.
 std::vector<std::string> step_log(int world, FsdpOptions options) {
