@@ -1,101 +1,94 @@
-// save_checkpoint: the strategy's StateLayout (which flattened elements of which tensor a
-// rank holds) written as pieces (layout.h) into safetensors files: in the sharded form each
-// rank its own file (write_sharded), in the full form rank 0 one file with every tensor
-// whole (write_full); then rank 0 writes the manifest and makes the checkpoint visible.
+// save_checkpoint and the steps of a save (save.h): the strategy's StateLayout (which
+// flattened elements of which tensor a rank holds) written as pieces (layout.h) into
+// safetensors files: in the sharded form each rank its own file, in the full form rank 0
+// one file with every tensor whole; then rank 0 writes the manifest and makes the
+// checkpoint visible.
+#include "checkpoint/save.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <functional>
 #include <map>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 
-#include "checkpoint/agreement.h"
 #include "checkpoint/directory.h"
-#include "dtrain/json.h"
 #include "checkpoint/layout.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
-#include "dtrain/checkpoint.h"
 #include "dtrain/errors.h"
 
-namespace dtrain {
-namespace ck = checkpoint;
+namespace dtrain::checkpoint {
 namespace fs = std::filesystem;
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using ck::OptimizerAdapter;
-using ck::ParamOptState;
-using ck::Ranks;
-
-// One piece this rank writes: the elements [wb, we) of a tensor (its data, or one kind of
-// its optimizer state), 1-D.
-struct Piece {
-  size_t slice = 0;
-  std::string key;
-  c10::ScalarType dtype = c10::ScalarType::Float;
-  std::vector<int64_t> shape;  // the whole tensor's
-  int64_t wb = 0, we = 0;
-  at::Tensor data;
-};
-
-// What one save writes on one rank, in one order on every rank.
-struct SavePlan {
-  std::string tmp;  // the temporary directory
-  bool full = false;
-  std::vector<Piece> pieces;
-  std::function<void(const char*)> progress;
-};
-
-Json file_entry(const ck::FileDigest& d, Json pieces) {
-  Json j = ck::digest_to_json(d);
+Json file_entry(const FileDigest& d, Json pieces) {
+  Json j = digest_to_json(d);
   j.set("pieces", std::move(pieces));
   return j;
 }
 
-// Sharded: this rank's pieces into its own file, described by a sidecar for rank 0.
-int64_t write_sharded(const SavePlan& plan, int rank) {
-  std::vector<SafetensorsTensor> file_layout;
-  Json pieces{Json::Array{}};
-  std::vector<at::Tensor> data;
-  for (const Piece& p : plan.pieces) {
-    if (p.data.numel() == 0) continue;
-    SafetensorsTensor info;
-    info.name = p.key;
-    info.dtype = p.data.scalar_type();
-    info.shape = {p.data.numel()};
-    file_layout.push_back(info);
-    pieces.push_back(Json(Json::Array{Json(info.name), Json(p.wb), Json(p.we)}));
-    data.push_back(p.data);
-  }
-  int64_t bytes = 0;
-  Json sidecar = Json::object();
-  if (!data.empty()) {
-    SafetensorsWriter w((fs::path(plan.tmp) / ck::rank_file(rank)).string(), file_layout);
-    for (size_t n = 0; n < data.size(); ++n) {
-      if (n == data.size() / 2) plan.progress("mid_file");
-      w.write(data[n]);
-    }
-    const ck::FileDigest d = ck::SafetensorsAccess::finish(w);
-    bytes += static_cast<int64_t>(d.size);
-    sidecar.set(ck::rank_file(rank), file_entry(d, std::move(pieces)));
-  }
-  ck::write_small_file((fs::path(plan.tmp) / ck::sidecar_file(rank)).string(), sidecar.dump());
-  return bytes;
+// A host copy that shares nothing with `t` (t.cpu() of a CPU tensor would be `t` itself).
+at::Tensor host_copy(const at::Tensor& t) {
+  return t.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
 }
 
-// Full: rank 0 receives every other rank's pieces tensor by tensor and writes each tensor
-// whole; no rank holds more than one full tensor at a time. Returns rank 0's file entry.
-Json write_full(const SavePlan& plan, const Ranks& ranks, int64_t* bytes) {
-  const size_t n_items = plan.pieces.size();
+// The manifest, without "files" (rank 0).
+Json manifest_of(const SaveJob& job, Strategy& strategy, const StateLayout& layout,
+                 const OptimizerAdapter& opt, const std::vector<int64_t>& agreed,
+                 const TrainingState& state) {
+  Json m = Json::object();
+  m.set("format", "dtrain-checkpoint");
+  m.set("version", kFormatVersion);
+  m.set("step", state.step);
+  m.set("form", job.full ? "full" : "sharded");
+  m.set("strategy", strategy.name());
+  m.set("sharding", layout.sharding);
+  m.set("world_size", job.world);
+  Json tensors{Json::Array{}};
+  for (size_t i = 0; i < layout.slices.size(); ++i) {
+    const StateSlice& s = layout.slices[i];
+    Json t = Json::object();
+    t.set("name", s.name);
+    t.set("kind", kind_name(s.kind));
+    t.set("dtype", safetensors_dtype_name(s.dtype));
+    Json::Array shape;
+    for (int64_t d : s.shape) shape.emplace_back(d);
+    t.set("shape", Json(std::move(shape)));
+    t.set("optimizer_step", agreed[2 * i] != 0 ? Json(agreed[2 * i + 1]) : Json());
+    tensors.push_back(std::move(t));
+  }
+  m.set("tensors", std::move(tensors));
+  if (opt.active()) {
+    Json o = Json::object();
+    o.set("type", opt.type_name());
+    Json::Array k, lrs;
+    for (const auto& kind : opt.kinds()) k.emplace_back(kind);
+    for (double lr : opt.learning_rates()) lrs.emplace_back(lr);
+    o.set("state", Json(std::move(k)));
+    o.set("lr", Json(std::move(lrs)));
+    m.set("optimizer", std::move(o));
+  } else {
+    m.set("optimizer", Json());
+  }
+  Json training = Json::object();
+  for (const auto& [k, v] : state.values) training.set(k, v);
+  m.set("values", std::move(training));
+  return m;
+}
+
+// The full form's gather (collective): rank 0 assembles every tensor whole, one at a time,
+// on the communicator's device, and hands it to `sink(n, tensor)`; the other ranks send.
+template <typename Sink>
+void gather_full(const SaveJob& job, const Ranks& ranks, Sink&& sink) {
+  const size_t n_items = job.pieces.size();
   std::vector<int64_t> mine;
-  for (const Piece& p : plan.pieces) {
+  for (const Piece& p : job.pieces) {
     mine.push_back(p.wb);
     mine.push_back(p.we);
   }
@@ -104,30 +97,16 @@ Json write_full(const SavePlan& plan, const Ranks& ranks, int64_t* bytes) {
     return std::make_pair(rg[r * 2 * n_items + 2 * n], rg[r * 2 * n_items + 2 * n + 1]);
   };
   if (ranks.rank != 0) {
-    for (const Piece& p : plan.pieces) {
+    for (const Piece& p : job.pieces) {
       at::Tensor t = p.data.contiguous();
-      if (t.numel() > 0) ranks.comm->send(t.to(ranks.device()), 0, ck::kTag)->wait();
+      if (t.numel() > 0) ranks.comm->send(t.to(ranks.device()), 0, kTag)->wait();
     }
-    return Json();
+    return;
   }
-  std::vector<SafetensorsTensor> file_layout;
-  Json pieces{Json::Array{}};
-  for (const Piece& p : plan.pieces) {
-    SafetensorsTensor info;
-    info.name = p.key;
-    info.dtype = p.dtype;
-    info.shape = p.shape;
-    file_layout.push_back(info);
-    pieces.push_back(Json(
-        Json::Array{Json(info.name), Json(int64_t{0}), Json(ck::numel_of(p.shape))}));
-  }
-  SafetensorsWriter w((fs::path(plan.tmp) / ck::kFullFile).string(), file_layout);
   for (size_t n = 0; n < n_items; ++n) {
-    if (n == n_items / 2) plan.progress("mid_file");
-    const SafetensorsTensor& info = file_layout[n];
-    // On the communicator's device: the pieces arrive there (the writer copies to host).
-    at::Tensor buf = at::empty({ck::numel_of(info.shape)},
-                               at::TensorOptions().dtype(info.dtype).device(ranks.device()));
+    const Piece& p = job.pieces[n];
+    at::Tensor buf =
+        at::empty({numel_of(p.shape)}, at::TensorOptions().dtype(p.dtype).device(ranks.device()));
     // Each element must come from exactly one rank (a strategy bug otherwise).
     std::vector<std::pair<int64_t, int64_t>> got;
     for (int r = 0; r < ranks.world; ++r) {
@@ -135,9 +114,9 @@ Json write_full(const SavePlan& plan, const Ranks& ranks, int64_t* bytes) {
       if (e <= b) continue;
       got.emplace_back(b, e);
       if (r == 0) {
-        buf.narrow(0, b, e - b).copy_(plan.pieces[n].data);
+        buf.narrow(0, b, e - b).copy_(p.data);
       } else {
-        ranks.comm->recv(buf.narrow(0, b, e - b), r, ck::kTag)->wait();
+        ranks.comm->recv(buf.narrow(0, b, e - b), r, kTag)->wait();
       }
     }
     std::sort(got.begin(), got.end());
@@ -147,25 +126,34 @@ Json write_full(const SavePlan& plan, const Ranks& ranks, int64_t* bytes) {
       covered = e;
     }
     if (covered != buf.numel()) {
-      throw InvalidArgument(
-          ranks.ctx("save_checkpoint"),
-          fmt::format("the ranks' slices of '{}' do not cover it exactly", info.name));
+      throw InvalidArgument(ranks.ctx("save_checkpoint"),
+                            fmt::format("the ranks' slices of '{}' do not cover it exactly", p.key));
     }
-    w.write(buf);
+    sink(n, buf);
   }
-  const ck::FileDigest d = ck::SafetensorsAccess::finish(w);
-  *bytes += static_cast<int64_t>(d.size);
-  return file_entry(d, std::move(pieces));
+}
+
+// The full form's file: its layout (every tensor whole) and the manifest's pieces.
+std::vector<SafetensorsTensor> full_layout(const SaveJob& job, Json* pieces) {
+  std::vector<SafetensorsTensor> layout;
+  for (const Piece& p : job.pieces) {
+    SafetensorsTensor info;
+    info.name = p.key;
+    info.dtype = p.dtype;
+    info.shape = p.shape;
+    layout.push_back(info);
+    pieces->push_back(
+        Json(Json::Array{Json(info.name), Json(int64_t{0}), Json(numel_of(p.shape))}));
+  }
+  return layout;
 }
 
 }  // namespace
 
-std::string latest_checkpoint(const std::string& dir) { return ck::latest_complete(dir); }
+std::string error_file(int rank) { return fmt::format("rank{:05d}.error", rank); }
 
-CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
-                                torch::optim::Optimizer* optimizer, const TrainingState& state,
-                                const CheckpointOptions& options) {
-  const auto t0 = Clock::now();
+SaveJob plan_save(const std::string& dir, Strategy& strategy, torch::optim::Optimizer* optimizer,
+                  const TrainingState& state, const CheckpointOptions& options, bool copy) {
   StateLayout layout = strategy.state_layout();
   const Ranks ranks(layout.comm);
   if (options.keep < 1) throw InvalidArgument(ranks.ctx("save_checkpoint"), "keep must be >= 1");
@@ -173,11 +161,15 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
   const OptimizerAdapter opt(optimizer);
   const auto& kinds = opt.kinds();
   const size_t T = layout.slices.size(), K = kinds.size();
-  SavePlan plan;
-  plan.full = options.format == CheckpointFormat::kFull;
-  plan.progress = [&](const char* point) {
-    if (options.on_progress) options.on_progress(point);
-  };
+  SaveJob job;
+  job.dir = dir;
+  job.step = state.step;
+  job.full = options.format == CheckpointFormat::kFull;
+  job.comm = layout.comm;
+  job.rank = ranks.rank;
+  job.world = ranks.world;
+  job.keep = options.keep;
+  job.on_progress = options.on_progress;
 
   // This rank's optimizer state per slice (per kind, 1-D over the slice's range), and the
   // ranks' agreement on which tensors have state and their step counts (a rank whose shard
@@ -185,136 +177,192 @@ CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
   std::vector<std::vector<at::Tensor>> local(T);
   std::vector<int64_t> agree(2 * T, 0);
   if (opt.active()) {
-    auto& a = agree;
     for (size_t i = 0; i < T; ++i) {
       const StateSlice& s = layout.slices[i];
       if (!s.stepped.defined()) continue;
       ParamOptState st = opt.get(s.stepped);
       if (!st.present) continue;
-      a[2 * i] = 1;
-      a[2 * i + 1] = st.step;
+      agree[2 * i] = 1;
+      agree[2 * i + 1] = st.step;
       for (const auto& t : st.tensors) {
         local[i].push_back(t.detach().reshape({-1}).narrow(0, s.stepped_offset, s.end - s.begin));
       }
     }
     if (ranks.many()) agree = ControlPlane(*ranks.comm).all_reduce(agree, ReduceOp::kMax);
   }
-  const std::vector<int64_t>& agreed_state = agree;
-  auto has_state = [&](size_t i) { return agreed_state[2 * i] != 0; };
   // The pieces this rank writes, in one order on every rank: each slice's data, then its
   // optimizer state by kind.
   for (size_t i = 0; i < T; ++i) {
     const StateSlice& s = layout.slices[i];
-    const auto [wb, we] = ck::write_range(s);
+    const auto [wb, we] = write_range(s);
     Piece p;
-    p.slice = i;
-    p.key = ck::model_key(s.name);
+    p.key = model_key(s.name);
     p.dtype = s.dtype;
     p.shape = s.shape;
     p.wb = wb;
     p.we = we;
     p.data = s.data.narrow(0, wb - s.begin, we - wb);
-    plan.pieces.push_back(p);
-    if (!has_state(i)) continue;
+    job.pieces.push_back(p);
+    if (agree[2 * i] == 0) continue;
     for (size_t k = 0; k < K; ++k) {
-      p.key = ck::optim_key(s.name, kinds[k]);
+      p.key = optim_key(s.name, kinds[k]);
       p.dtype = s.stepped.scalar_type();
       p.data = local[i].empty() ? at::zeros({we - wb}, s.stepped.options().requires_grad(false))
                                 : local[i][k].narrow(0, wb - s.begin, we - wb);
-      plan.pieces.push_back(p);
+      job.pieces.push_back(p);
     }
   }
 
   // Every rank's random generators (CPU and CUDA), to rank 0.
-  const std::vector<ck::RngStates> all_rng = ck::gather_rng_states(
-      ranks.many() ? ranks.comm : nullptr, ck::capture(ck::Generators::process_defaults()));
+  const std::vector<RngStates> all_rng = gather_rng_states(
+      ranks.many() ? ranks.comm : nullptr, capture(Generators::process_defaults()));
+  if (ranks.rank == 0) {
+    // Caller state and every rank's generator: small, written by rank 0.
+    for (const auto& [name, t] : state.tensors) {
+      job.extra.emplace_back("training/" + name, copy ? host_copy(t.detach()) : t);
+    }
+    for (int r = 0; r < ranks.world; ++r) {
+      append_rng_entries(r, all_rng[static_cast<size_t>(r)], job.extra);
+    }
+    job.manifest = manifest_of(job, strategy, layout, opt, agree, state);
+  }
 
-  plan.tmp = ck::temp_path(dir, state.step);
-  const std::string& tmp = plan.tmp;
-  CheckpointStats stats;
+  job.tmp = temp_path(dir, state.step);
   ranks.agreed("save_checkpoint: prepare", [&] {
-    if (ranks.rank == 0) ck::prepare_temp(dir, state.step);
+    if (ranks.rank == 0) prepare_temp(dir, state.step);
   });
-  plan.progress("tmp_created");
+  job.progress("tmp_created");
 
-  Json files = Json::object();  // rank 0: name -> digest + pieces
-  ranks.agreed("save_checkpoint: write", [&] {
-    if (!plan.full) {
-      stats.bytes += write_sharded(plan, ranks.rank);
-    } else {
-      Json entry = write_full(plan, ranks, &stats.bytes);
-      if (ranks.rank == 0) files.set(ck::kFullFile, std::move(entry));
-    }
-    if (ranks.rank == 0) {
-      // Caller state and every rank's generator: small, written by rank 0.
-      std::vector<std::pair<std::string, at::Tensor>> extra;
-      for (const auto& [name, t] : state.tensors) extra.emplace_back("training/" + name, t);
-      for (int r = 0; r < ranks.world; ++r) {
-        ck::append_rng_entries(r, all_rng[static_cast<size_t>(r)], extra);
+  if (copy) {
+    // The copy a background save blocks the step for.
+    ranks.agreed("save_checkpoint: copy", [&] {
+      if (!job.full) {
+        for (Piece& p : job.pieces) p.data = host_copy(p.data);
+        return;
       }
-      const ck::FileDigest d =
-          ck::write_safetensors((fs::path(tmp) / ck::kExtraFile).string(), extra);
-      stats.bytes += static_cast<int64_t>(d.size);
-      files.set(ck::kExtraFile, file_entry(d, Json(Json::Array{})));
-    }
-  });
-  plan.progress("files_written");
+      std::vector<Piece> whole;
+      gather_full(job, ranks, [&](size_t n, const at::Tensor& buf) {
+        Piece p = job.pieces[n];
+        p.wb = 0;
+        p.we = buf.numel();
+        p.data = buf.device().is_cpu() ? buf : host_copy(buf);  // buf is this gather's own
+        whole.push_back(std::move(p));
+      });
+      job.pieces = std::move(whole);
+    });
+    job.copied = true;
+  }
+  return job;
+}
 
-  ranks.agreed("save_checkpoint: commit", [&] {
-    if (ranks.rank != 0) return;
-    if (!plan.full) {
-      for (int r = 0; r < ranks.world; ++r) {
-        const std::string side = (fs::path(tmp) / ck::sidecar_file(r)).string();
-        const Json j = Json::parse(ck::read_small_file(side, ck::kMaxManifestBytes));
-        for (const auto& [name, entry] : j.as_object()) files.set(name, entry);
-        fs::remove(side);
+void write_rank_files(SaveJob& job) {
+  Json sidecar = Json::object();
+  if (!job.full) {
+    std::vector<SafetensorsTensor> file_layout;
+    Json pieces{Json::Array{}};
+    std::vector<at::Tensor> data;
+    for (const Piece& p : job.pieces) {
+      if (p.data.numel() == 0) continue;
+      SafetensorsTensor info;
+      info.name = p.key;
+      info.dtype = p.data.scalar_type();
+      info.shape = {p.data.numel()};
+      file_layout.push_back(info);
+      pieces.push_back(Json(Json::Array{Json(info.name), Json(p.wb), Json(p.we)}));
+      data.push_back(p.data);
+    }
+    if (!data.empty()) {
+      SafetensorsWriter w((fs::path(job.tmp) / rank_file(job.rank)).string(), file_layout);
+      for (size_t n = 0; n < data.size(); ++n) {
+        if (n == data.size() / 2) job.progress("mid_file");
+        w.write(data[n]);
       }
+      const FileDigest d = SafetensorsAccess::finish(w);
+      job.bytes += static_cast<int64_t>(d.size);
+      sidecar.set(rank_file(job.rank), file_entry(d, std::move(pieces)));
     }
-    Json m = Json::object();
-    m.set("format", "dtrain-checkpoint");
-    m.set("version", ck::kFormatVersion);
-    m.set("step", state.step);
-    m.set("form", plan.full ? "full" : "sharded");
-    m.set("strategy", strategy.name());
-    m.set("sharding", layout.sharding);
-    m.set("world_size", ranks.world);
-    Json tensors{Json::Array{}};
-    for (size_t i = 0; i < T; ++i) {
-      const StateSlice& s = layout.slices[i];
-      Json t = Json::object();
-      t.set("name", s.name);
-      t.set("kind", ck::kind_name(s.kind));
-      t.set("dtype", safetensors_dtype_name(s.dtype));
-      Json::Array shape;
-      for (int64_t d : s.shape) shape.emplace_back(d);
-      t.set("shape", Json(std::move(shape)));
-      t.set("optimizer_step", has_state(i) ? Json(agreed_state[2 * i + 1]) : Json());
-      tensors.push_back(std::move(t));
-    }
-    m.set("tensors", std::move(tensors));
-    if (opt.active()) {
-      Json o = Json::object();
-      o.set("type", opt.type_name());
-      Json::Array k, lrs;
-      for (const auto& kind : kinds) k.emplace_back(kind);
-      for (double lr : opt.learning_rates()) lrs.emplace_back(lr);
-      o.set("state", Json(std::move(k)));
-      o.set("lr", Json(std::move(lrs)));
-      m.set("optimizer", std::move(o));
-    } else {
-      m.set("optimizer", Json());
-    }
-    Json training = Json::object();
-    for (const auto& [k, v] : state.values) training.set(k, v);
-    m.set("values", std::move(training));
-    m.set("files", std::move(files));
-    ck::write_manifest(tmp, m);
-    ck::commit_temp(dir, state.step, options.on_progress);
-    ck::prune(dir, options.keep);
+  }
+  // Written under another name and renamed: a sidecar that exists is complete.
+  const fs::path side = fs::path(job.tmp) / sidecar_file(job.rank);
+  const std::string part = side.string() + ".part";
+  write_small_file(part, sidecar.dump());
+  std::error_code ec;
+  fs::rename(part, side, ec);
+  if (ec) throw CheckpointError(fmt::format("{}: cannot rename: {}", part, ec.message()));
+}
+
+void write_full_streaming(SaveJob& job, const Ranks& ranks) {
+  if (ranks.rank != 0) {
+    gather_full(job, ranks, [](size_t, const at::Tensor&) {});
+    return;
+  }
+  Json pieces{Json::Array{}};
+  const std::vector<SafetensorsTensor> file_layout = full_layout(job, &pieces);
+  SafetensorsWriter w((fs::path(job.tmp) / kFullFile).string(), file_layout);
+  gather_full(job, ranks, [&](size_t n, const at::Tensor& buf) {
+    if (n == file_layout.size() / 2) job.progress("mid_file");
+    w.write(buf);  // the writer copies to host
   });
-  stats.path = (fs::path(dir) / ck::step_dir_name(state.step)).string();
-  stats.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  return stats;
+  const FileDigest d = SafetensorsAccess::finish(w);
+  job.bytes += static_cast<int64_t>(d.size);
+  job.files.set(kFullFile, file_entry(d, std::move(pieces)));
+}
+
+void write_full_copied(SaveJob& job) {
+  if (job.rank != 0) return;
+  Json pieces{Json::Array{}};
+  const std::vector<SafetensorsTensor> file_layout = full_layout(job, &pieces);
+  SafetensorsWriter w((fs::path(job.tmp) / kFullFile).string(), file_layout);
+  for (size_t n = 0; n < job.pieces.size(); ++n) {
+    if (n == job.pieces.size() / 2) job.progress("mid_file");
+    w.write(job.pieces[n].data);
+  }
+  const FileDigest d = SafetensorsAccess::finish(w);
+  job.bytes += static_cast<int64_t>(d.size);
+  job.files.set(kFullFile, file_entry(d, std::move(pieces)));
+}
+
+void write_extra(SaveJob& job) {
+  if (job.rank != 0) return;
+  const FileDigest d = write_safetensors((fs::path(job.tmp) / kExtraFile).string(), job.extra);
+  job.bytes += static_cast<int64_t>(d.size);
+  job.files.set(kExtraFile, file_entry(d, Json(Json::Array{})));
+}
+
+void commit(SaveJob& job) {
+  if (job.rank != 0) return;
+  if (!job.full || job.copied) {
+    for (int r = 0; r < job.world; ++r) {
+      const std::string side = (fs::path(job.tmp) / sidecar_file(r)).string();
+      const Json j = Json::parse(read_small_file(side, kMaxManifestBytes));
+      for (const auto& [name, entry] : j.as_object()) job.files.set(name, entry);
+      fs::remove(side);
+    }
+  }
+  Json m = job.manifest;
+  m.set("files", job.files);
+  write_manifest(job.tmp, m);
+  commit_temp(job.dir, job.step, job.on_progress);
+  prune(job.dir, job.keep);
+}
+
+}  // namespace dtrain::checkpoint
+
+namespace dtrain {
+namespace ck = checkpoint;
+
+std::string latest_checkpoint(const std::string& dir) { return ck::latest_complete(dir); }
+
+CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
+                                torch::optim::Optimizer* optimizer, const TrainingState& state,
+                                const CheckpointOptions& options) {
+  if (options.async) {
+    throw InvalidArgument(
+        "save_checkpoint: CheckpointOptions::async needs a dtrain::Checkpointer (its wait() "
+        "reports the background write's errors)");
+  }
+  Checkpointer checkpointer(dir, options);
+  return checkpointer.save(strategy, optimizer, state);
 }
 
 }  // namespace dtrain
