@@ -454,7 +454,7 @@ void Gpt2Tokenizer::load(std::string_view json, std::string_view bpe, const std:
   }
   for (const auto& [key, value] : vocabulary.as_object()) {
     const std::string token = "token \"" + printable(key) + "\"";
-    // Digits past int64 parse as a double: too large as well.
+    // A number may also come as a double (1e7, 3.0): bounded the same way.
     if (value.is_number() && value.as_double() >= static_cast<double>(kMaxVocabSize)) {
       throw dtrain::Error(source + ": id of " + token + " exceeds the maximum " +
                           std::to_string(kMaxVocabSize - 1));

@@ -99,14 +99,17 @@ TEST(Json, RefusesMalformedText) {
   EXPECT_THROW(Json::parse(deep), JsonError);
 }
 
+// Every dtype the format names.
+constexpr c10::ScalarType kAllDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble,
+                                          at::kLong,  at::kInt,  at::kShort,    at::kChar,
+                                          at::kByte,  at::kBool};
+
 TEST(Safetensors, RoundTripEveryDtype) {
   TempDir dir("st");
   const std::string path = dir / "all.safetensors";
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  const c10::ScalarType dtypes[] = {at::kFloat, at::kHalf,  at::kBFloat16, at::kDouble, at::kLong,
-                                    at::kInt,   at::kShort, at::kChar,     at::kByte,   at::kBool};
   at::manual_seed(0);
-  for (auto dt : dtypes) {
+  for (auto dt : kAllDtypes) {
     at::Tensor t = (at::randn({3, 5}) * 50).to(dt);
     tensors.emplace_back(std::string("t.") + safetensors_dtype_name(dt), t);
   }
@@ -146,10 +149,8 @@ TEST(Safetensors, PublicRoundTripEveryDtypeWholeAndInRanges) {
   TempDir dir("st_pub");
   const std::string path = dir / "all.safetensors";
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  const c10::ScalarType dtypes[] = {at::kFloat, at::kHalf,  at::kBFloat16, at::kDouble, at::kLong,
-                                    at::kInt,   at::kShort, at::kChar,     at::kByte,   at::kBool};
   at::manual_seed(1);
-  for (auto dt : dtypes) {
+  for (auto dt : kAllDtypes) {
     tensors.emplace_back(std::string("t.") + dtrain::safetensors_dtype_name(dt),
                          (at::randn({7, 11}) * 50).to(dt));
   }
