@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -14,6 +16,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -100,14 +103,25 @@ TEST(AsyncCheckpoint, HoldsTheStateAtTheCallAndLoadsExactly) {
       rk.step(data[0]);
       rk.step(data[1]);
       auto before = logical_state(rk);
+      // The write stops half way (its "mid_file" point, on the background thread) until the
+      // training has moved on: the second half is written after the model changed.
+      std::atomic<bool> moved_on{false};
       CheckpointOptions o;
       o.format = format;
       o.async = true;
+      o.on_progress = [&](const char* point) {
+        if (std::string(point) != "mid_file") return;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (!moved_on && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      };
       Checkpointer ckpt(dir.path().string(), o);
       ckpt.save(*rk.strategy, rk.opt.get(), state_at(2));
       rk.step(data[2]);  // while the write runs
       auto next = logical_state(rk);
       rk.step(data[0]);
+      moved_on = true;
       ckpt.wait();
       std::lock_guard<std::mutex> lock(mu);
       if (rk.rank == 0) saved = before, after = next;
