@@ -37,13 +37,7 @@
 
 namespace dtrain {
 
-namespace checkpoint {
-class ByteSource;
-class FileWriter;
-struct FileDigest;
-struct SafetensorsAccess;
-}  // namespace checkpoint
-
+struct SafetensorsAccess;  // dtrain's checkpoint code: readers over its checksummed files
 // The safetensors name of a dtype ("F32" for at::kFloat, ...) and back; InvalidArgument for
 // a dtype the format (as dtrain reads it) has no name for.
 const char* safetensors_dtype_name(c10::ScalarType dtype);
@@ -93,10 +87,11 @@ class SafetensorsReader {
   const void* mapped_data(const SafetensorsTensor& t) const;
 
  private:
-  friend struct checkpoint::SafetensorsAccess;
-  explicit SafetensorsReader(std::unique_ptr<checkpoint::ByteSource> source);
+  friend struct SafetensorsAccess;
+  struct Source;  // where the bytes come from: the mapping, or a checksummed file
+  explicit SafetensorsReader(std::unique_ptr<Source> source);
 
-  std::unique_ptr<checkpoint::ByteSource> source_;
+  std::unique_ptr<Source> source_;
   uint64_t header_bytes_ = 0;  // read by the constructor, not counted in bytes_read()
   std::vector<SafetensorsTensor> tensors_;
   std::map<std::string, size_t> index_;
@@ -127,10 +122,10 @@ class SafetensorsWriter {
   uint64_t data_bytes() const { return data_bytes_; }  // declared by the layout
 
  private:
-  friend struct checkpoint::SafetensorsAccess;
-  checkpoint::FileDigest finish_with_digest();
+  friend struct SafetensorsAccess;
+  struct File;  // the file and, once finished, its checksums
 
-  std::unique_ptr<checkpoint::FileWriter> file_;
+  std::unique_ptr<File> file_;
   uint64_t data_bytes_ = 0;
   uint64_t data_start_ = 0;
 };

@@ -80,7 +80,7 @@ class CheckpointReader {
     if (it != readers_.end()) return *it->second;
     auto d = digests_.find(name);
     if (d == digests_.end()) fail(fmt::format("no file \"{}\" in the manifest", name));
-    auto reader = std::make_unique<SafetensorsReader>(ck::SafetensorsAccess::open(
+    auto reader = std::make_unique<SafetensorsReader>(SafetensorsAccess::open(
         std::make_unique<ck::VerifiedFile>((fs::path(path_) / name).string(), d->second)));
     return *readers_.emplace(name, std::move(reader)).first->second;
   }
@@ -116,7 +116,7 @@ class CheckpointReader {
 
   int64_t bytes_read() const {
     int64_t n = 0;
-    for (const auto& [name, r] : readers_) n += static_cast<int64_t>(ck::SafetensorsAccess::source(*r).bytes_read());
+    for (const auto& [name, r] : readers_) n += static_cast<int64_t>(SafetensorsAccess::source(*r).bytes_read());
     return n;
   }
 

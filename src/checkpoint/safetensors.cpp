@@ -94,27 +94,37 @@ void parse_entry(const Json& value, uint64_t data_start, uint64_t data_size, Saf
 
 }  // namespace
 
+struct SafetensorsReader::Source {
+  std::unique_ptr<checkpoint::ByteSource> impl;
+};
+
+struct SafetensorsWriter::File {
+  explicit File(std::string path) : writer(std::move(path)) {}
+  checkpoint::FileWriter writer;
+  checkpoint::FileDigest digest;  // set by finish()
+};
+
 SafetensorsReader::SafetensorsReader(const std::string& path)
-    : SafetensorsReader(std::make_unique<checkpoint::MappedFile>(path)) {}
+    : SafetensorsReader(std::make_unique<Source>(Source{std::make_unique<checkpoint::MappedFile>(path)})) {}
 
 SafetensorsReader::~SafetensorsReader() = default;
 SafetensorsReader::SafetensorsReader(SafetensorsReader&&) noexcept = default;
 SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&&) noexcept = default;
 
-const std::string& SafetensorsReader::path() const { return source_->path(); }
+const std::string& SafetensorsReader::path() const { return source_->impl->path(); }
 
-SafetensorsReader::SafetensorsReader(std::unique_ptr<checkpoint::ByteSource> source)
+SafetensorsReader::SafetensorsReader(std::unique_ptr<Source> source)
     : source_(std::move(source)) {
-  const std::string& path = source_->path();
+  const std::string& path = source_->impl->path();
   auto bad = [&](const std::string& what) {
     return CheckpointError(fmt::format("{}: not a valid safetensors file: {}", path, what));
   };
-  const uint64_t file_size = source_->size();
+  const uint64_t file_size = source_->impl->size();
   if (file_size < 8) {
     throw bad(fmt::format("{} bytes, shorter than the 8-byte header size", file_size));
   }
   uint8_t size_bytes[8];
-  source_->read(0, size_bytes, 8);
+  source_->impl->read(0, size_bytes, 8);
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
   if (header_size > checkpoint::kMaxSafetensorsHeader) {
@@ -126,8 +136,8 @@ SafetensorsReader::SafetensorsReader(std::unique_ptr<checkpoint::ByteSource> sou
                           header_size, file_size));
   }
   std::string text(header_size, '\0');
-  source_->read(8, text.data(), header_size);
-  header_bytes_ = source_->bytes_read();
+  source_->impl->read(8, text.data(), header_size);
+  header_bytes_ = source_->impl->bytes_read();
   if (text.empty() || text[0] != '{') throw bad("header does not start with '{'");
   Json header;
   try {
@@ -222,20 +232,20 @@ void SafetensorsReader::read_bytes(const SafetensorsTensor& t, uint64_t byte_off
     throw CheckpointError(fmt::format("{}: bytes [{}, {}) of tensor \"{}\" requested, it has {}",
                                       path(), byte_offset, byte_offset + n, t.name, t.nbytes()));
   }
-  source_->read(t.begin + byte_offset, out, n);
+  source_->impl->read(t.begin + byte_offset, out, n);
 }
 
-uint64_t SafetensorsReader::bytes_read() const { return source_->bytes_read() - header_bytes_; }
+uint64_t SafetensorsReader::bytes_read() const { return source_->impl->bytes_read() - header_bytes_; }
 
 const void* SafetensorsReader::mapped_data(const SafetensorsTensor& t) const {
-  const uint8_t* base = source_->mapped();
+  const uint8_t* base = source_->impl->mapped();
   return base == nullptr ? nullptr : base + t.begin;
 }
 
 SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<SafetensorsTensor>& layout,
                                      const std::map<std::string, std::string>& metadata)
-    : file_(std::make_unique<checkpoint::FileWriter>(std::move(path))) {
-  const std::string& where = file_->path();
+    : file_(std::make_unique<File>(std::move(path))) {
+  const std::string& where = file_->writer.path();
   Json header = Json::object();
   if (!metadata.empty()) {
     Json m = Json::object();
@@ -267,17 +277,17 @@ SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Safeten
   text.append((8 - (text.size() % 8)) % 8, ' ');
   uint8_t size_bytes[8];
   for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<uint8_t>(text.size() >> (8 * i));
-  file_->write(size_bytes, 8);
-  file_->write(text.data(), text.size());
-  data_start_ = file_->bytes_written();
+  file_->writer.write(size_bytes, 8);
+  file_->writer.write(text.data(), text.size());
+  data_start_ = file_->writer.bytes_written();
 }
 
 void SafetensorsWriter::write(const void* data, size_t n) {
-  if (file_->bytes_written() - data_start_ + n > data_bytes_) {
+  if (file_->writer.bytes_written() - data_start_ + n > data_bytes_) {
     throw InvalidArgument(
-        fmt::format("write_safetensors {}: more data than the header declares", file_->path()));
+        fmt::format("write_safetensors {}: more data than the header declares", file_->writer.path()));
   }
-  file_->write(data, n);
+  file_->writer.write(data, n);
 }
 
 void SafetensorsWriter::write(const at::Tensor& t) {
@@ -287,15 +297,14 @@ void SafetensorsWriter::write(const at::Tensor& t) {
 
 SafetensorsWriter::~SafetensorsWriter() = default;
 
-uint64_t SafetensorsWriter::finish() { return finish_with_digest().size; }
-
-checkpoint::FileDigest SafetensorsWriter::finish_with_digest() {
-  const uint64_t got = file_->bytes_written() - data_start_;
+uint64_t SafetensorsWriter::finish() {
+  const uint64_t got = file_->writer.bytes_written() - data_start_;
   if (got != data_bytes_) {
     throw InvalidArgument(fmt::format("write_safetensors {}: {} data bytes written, {} declared",
-                                      file_->path(), got, data_bytes_));
+                                      file_->writer.path(), got, data_bytes_));
   }
-  return file_->finish();
+  file_->digest = file_->writer.finish();
+  return file_->digest.size;
 }
 
 void write_safetensors(const std::string& path,
@@ -304,11 +313,21 @@ void write_safetensors(const std::string& path,
   checkpoint::write_safetensors(path, tensors, metadata);
 }
 
-namespace checkpoint {
-
-SafetensorsReader SafetensorsAccess::open(std::unique_ptr<ByteSource> source) {
-  return SafetensorsReader(std::move(source));
+SafetensorsReader SafetensorsAccess::open(std::unique_ptr<checkpoint::ByteSource> source) {
+  return SafetensorsReader(
+      std::make_unique<SafetensorsReader::Source>(SafetensorsReader::Source{std::move(source)}));
 }
+
+checkpoint::ByteSource& SafetensorsAccess::source(SafetensorsReader& reader) {
+  return *reader.source_->impl;
+}
+
+checkpoint::FileDigest SafetensorsAccess::finish(SafetensorsWriter& writer) {
+  writer.finish();
+  return writer.file_->digest;
+}
+
+namespace checkpoint {
 
 FileDigest write_safetensors(const std::string& path,
                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,

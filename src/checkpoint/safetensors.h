@@ -18,14 +18,6 @@ namespace dtrain::checkpoint {
 
 constexpr uint64_t kMaxSafetensorsHeader = 100'000'000;  // the reference implementation's limit
 
-struct SafetensorsAccess {
-  // A reader over `source` (e.g. a VerifiedFile: every chunk a read touches is checked).
-  static SafetensorsReader open(std::unique_ptr<ByteSource> source);
-  static ByteSource& source(SafetensorsReader& reader) { return *reader.source_; }
-  // finish() that returns the file's digest (size and chunk checksums).
-  static FileDigest finish(SafetensorsWriter& writer) { return writer.finish_with_digest(); }
-};
-
 // write_safetensors that returns the file's digest. `on_progress("mid_file")` is called
 // once half of the tensors are written (tests kill the writer there).
 FileDigest write_safetensors(const std::string& path,
@@ -34,3 +26,15 @@ FileDigest write_safetensors(const std::string& path,
                              const std::function<void(const char*)>& on_progress = {});
 
 }  // namespace dtrain::checkpoint
+
+namespace dtrain {
+
+struct SafetensorsAccess {
+  // A reader over `source` (e.g. a VerifiedFile: every chunk a read touches is checked).
+  static SafetensorsReader open(std::unique_ptr<checkpoint::ByteSource> source);
+  static checkpoint::ByteSource& source(SafetensorsReader& reader);
+  // finish() that returns the file's digest (size and chunk checksums).
+  static checkpoint::FileDigest finish(SafetensorsWriter& writer);
+};
+
+}  // namespace dtrain
