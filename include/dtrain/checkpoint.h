@@ -45,8 +45,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "dtrain/strategy.h"

@@ -87,10 +87,10 @@ struct Checkpointer::Write {
               r));
         }
         if (Clock::now() > deadline) {
-          throw CheckpointError(fmt::format(
-              "rank {}'s files did not appear in {} within {} ms (CheckpointOptions::"
-              "async_timeout)",
-              r, job.tmp, timeout.count()));
+          throw CheckpointError(
+              fmt::format("rank {}'s files did not appear in {} within {} ms (CheckpointOptions::"
+                          "async_timeout)",
+                          r, job.tmp, timeout.count()));
         }
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::milliseconds(50));

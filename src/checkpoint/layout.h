@@ -61,5 +61,4 @@ inline std::string optim_key(const std::string& name, const std::string& kind) {
 inline std::string rank_file(int rank) { return fmt::format("rank{:05d}.safetensors", rank); }
 inline std::string sidecar_file(int rank) { return fmt::format("rank{:05d}.json", rank); }
 
-
 }  // namespace dtrain::checkpoint

@@ -19,13 +19,13 @@
 
 #include "checkpoint/agreement.h"
 #include "checkpoint/directory.h"
-#include "dtrain/json.h"
 #include "checkpoint/layout.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/errors.h"
+#include "dtrain/json.h"
 
 namespace dtrain {
 namespace ck = checkpoint;
@@ -35,12 +35,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using ck::kExtraFile;
 using ck::model_key;
-using ck::OptimizerAdapter;
 using ck::optim_key;
+using ck::OptimizerAdapter;
 using ck::ParamOptState;
 using ck::Ranks;
 using ck::shape_string;
-
 
 // One loaded checkpoint on one rank: the manifest, an index of pieces by key, and readers
 // opened (and verified) on demand.
@@ -116,7 +115,8 @@ class CheckpointReader {
 
   int64_t bytes_read() const {
     int64_t n = 0;
-    for (const auto& [name, r] : readers_) n += static_cast<int64_t>(SafetensorsAccess::source(*r).bytes_read());
+    for (const auto& [name, r] : readers_)
+      n += static_cast<int64_t>(SafetensorsAccess::source(*r).bytes_read());
     return n;
   }
 
@@ -162,8 +162,7 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
         auto it = saved.find(s.name);
         if (it == saved.end()) {
           reader.fail(fmt::format("model mismatch: the checkpoint has no tensor \"{}\" ({} {})",
-                                  s.name, safetensors_dtype_name(s.dtype),
-                                  shape_string(s.shape)));
+                                  s.name, safetensors_dtype_name(s.dtype), shape_string(s.shape)));
         }
         const Json& t = *it->second;
         std::vector<int64_t> shape;

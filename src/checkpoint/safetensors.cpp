@@ -9,8 +9,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "dtrain/json.h"
 #include "dtrain/errors.h"
+#include "dtrain/json.h"
 
 namespace dtrain {
 namespace {
@@ -105,7 +105,8 @@ struct SafetensorsWriter::File {
 };
 
 SafetensorsReader::SafetensorsReader(const std::string& path)
-    : SafetensorsReader(std::make_unique<Source>(Source{std::make_unique<checkpoint::MappedFile>(path)})) {}
+    : SafetensorsReader(
+          std::make_unique<Source>(Source{std::make_unique<checkpoint::MappedFile>(path)})) {}
 
 SafetensorsReader::~SafetensorsReader() = default;
 SafetensorsReader::SafetensorsReader(SafetensorsReader&&) noexcept = default;
@@ -113,8 +114,7 @@ SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&&) noexcept = 
 
 const std::string& SafetensorsReader::path() const { return source_->impl->path(); }
 
-SafetensorsReader::SafetensorsReader(std::unique_ptr<Source> source)
-    : source_(std::move(source)) {
+SafetensorsReader::SafetensorsReader(std::unique_ptr<Source> source) : source_(std::move(source)) {
   const std::string& path = source_->impl->path();
   auto bad = [&](const std::string& what) {
     return CheckpointError(fmt::format("{}: not a valid safetensors file: {}", path, what));
@@ -235,7 +235,9 @@ void SafetensorsReader::read_bytes(const SafetensorsTensor& t, uint64_t byte_off
   source_->impl->read(t.begin + byte_offset, out, n);
 }
 
-uint64_t SafetensorsReader::bytes_read() const { return source_->impl->bytes_read() - header_bytes_; }
+uint64_t SafetensorsReader::bytes_read() const {
+  return source_->impl->bytes_read() - header_bytes_;
+}
 
 const void* SafetensorsReader::mapped_data(const SafetensorsTensor& t) const {
   const uint8_t* base = source_->impl->mapped();
@@ -284,8 +286,8 @@ SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Safeten
 
 void SafetensorsWriter::write(const void* data, size_t n) {
   if (file_->writer.bytes_written() - data_start_ + n > data_bytes_) {
-    throw InvalidArgument(
-        fmt::format("write_safetensors {}: more data than the header declares", file_->writer.path()));
+    throw InvalidArgument(fmt::format("write_safetensors {}: more data than the header declares",
+                                      file_->writer.path()));
   }
   file_->writer.write(data, n);
 }

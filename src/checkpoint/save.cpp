@@ -126,8 +126,9 @@ void gather_full(const SaveJob& job, const Ranks& ranks, Sink&& sink) {
       covered = e;
     }
     if (covered != buf.numel()) {
-      throw InvalidArgument(ranks.ctx("save_checkpoint"),
-                            fmt::format("the ranks' slices of '{}' do not cover it exactly", p.key));
+      throw InvalidArgument(
+          ranks.ctx("save_checkpoint"),
+          fmt::format("the ranks' slices of '{}' do not cover it exactly", p.key));
     }
     sink(n, buf);
   }
@@ -214,8 +215,8 @@ SaveJob plan_save(const std::string& dir, Strategy& strategy, torch::optim::Opti
   }
 
   // Every rank's random generators (CPU and CUDA), to rank 0.
-  const std::vector<RngStates> all_rng = gather_rng_states(
-      ranks.many() ? ranks.comm : nullptr, capture(Generators::process_defaults()));
+  const std::vector<RngStates> all_rng = gather_rng_states(ranks.many() ? ranks.comm : nullptr,
+                                                           capture(Generators::process_defaults()));
   if (ranks.rank == 0) {
     // Caller state and every rank's generator: small, written by rank 0.
     for (const auto& [name, t] : state.tensors) {

@@ -41,7 +41,7 @@ struct SaveJob {
   std::string dir, tmp;
   int64_t step = 0;
   bool full = false;
-  bool copied = false;  // plan_save(copy = true): nothing refers to the live state
+  bool copied = false;   // plan_save(copy = true): nothing refers to the live state
   CommunicatorPtr comm;  // the strategy's (null for one rank)
   int rank = 0, world = 1;
   int keep = 2;

@@ -57,8 +57,7 @@ TrainingState state_at(int64_t step) {
 TEST(AsyncCheckpoint, ForegroundAndBackgroundSavesAreByteIdentical) {
   const auto data = global_batches();
   for (const CheckpointFormat format : {CheckpointFormat::kSharded, CheckpointFormat::kFull}) {
-    for (const RankSetup& setup :
-         {RankSetup{"ddp2", "ddp", 2}, RankSetup{"fsdp3", "fsdp", 3}}) {
+    for (const RankSetup& setup : {RankSetup{"ddp2", "ddp", 2}, RankSetup{"fsdp3", "fsdp", 3}}) {
       SCOPED_TRACE(setup.name + (format == CheckpointFormat::kFull ? " full" : " sharded"));
       TempDir fg("ck_fg"), bg("ck_bg");
       run_setup(setup, [&](Rank& rk) {
@@ -243,8 +242,8 @@ TEST(AsyncCheckpoint, SaveCheckpointRefusesAsync) {
       save_checkpoint(dir.path().string(), *rk.strategy, rk.opt.get(), state_at(1), o);
       DTRAIN_CHECK(false, "save_checkpoint accepted async");
     } catch (const InvalidArgument& e) {
-      DTRAIN_CHECK(std::string(e.what()).find("dtrain::Checkpointer") != std::string::npos,
-                   "{}", e.what());
+      DTRAIN_CHECK(std::string(e.what()).find("dtrain::Checkpointer") != std::string::npos, "{}",
+                   e.what());
     }
   });
 }

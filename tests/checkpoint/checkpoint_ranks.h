@@ -34,7 +34,7 @@ struct RankSetup {
   std::string strategy;  // single | ddp | fsdp
   int world = 1;
   ShardingStrategy sharding = ShardingStrategy::kFullShard;
-  int group = 0;  // hybrid shard group size
+  int group = 0;     // hybrid shard group size
   int64_t dim = 16;  // the test transformer's width
 };
 

@@ -166,18 +166,18 @@ TEST(Safetensors, PublicRoundTripEveryDtypeWholeAndInRanges) {
     EXPECT_EQ(t.nbytes(), 77 * want.element_size()) << name;
     EXPECT_TRUE(at::equal(r.read(name), want)) << name;
     const at::Tensor flat = want.reshape({-1});
-    for (const auto& [b, e] : {std::pair<int64_t, int64_t>{1, 4}, {3, 76}, {13, 14}, {0, 77},
-                               {76, 77}, {5, 5}}) {
+    for (const auto& [b, e] :
+         {std::pair<int64_t, int64_t>{1, 4}, {3, 76}, {13, 14}, {0, 77}, {76, 77}, {5, 5}}) {
       const at::Tensor got = r.read_elements(name, b, e);
       EXPECT_EQ(got.scalar_type(), want.scalar_type()) << name;
-      EXPECT_TRUE(at::equal(got, flat.narrow(0, b, e - b))) << name << " [" << b << ", " << e << ")";
+      EXPECT_TRUE(at::equal(got, flat.narrow(0, b, e - b)))
+          << name << " [" << b << ", " << e << ")";
     }
     // Bytes at an odd offset, of an odd length: exactly the bytes of the tensor there.
     const size_t item = want.element_size();
     std::string got(9, '\0');
     r.read_bytes(t, 3, got.data(), got.size());
-    EXPECT_EQ(std::memcmp(got.data(), static_cast<const char*>(flat.data_ptr()) + 3, 9), 0)
-        << name;
+    EXPECT_EQ(std::memcmp(got.data(), static_cast<const char*>(flat.data_ptr()) + 3, 9), 0) << name;
     EXPECT_THROW(r.read_elements(name, 70, 78), CheckpointError) << name;
     EXPECT_THROW(r.read_elements(name, -1, 2), CheckpointError) << name;
     EXPECT_THROW(r.read_bytes(t, 77 * item - 2, got.data(), 3), CheckpointError) << name;
@@ -186,8 +186,7 @@ TEST(Safetensors, PublicRoundTripEveryDtypeWholeAndInRanges) {
     r.at("missing");
     FAIL() << "a missing tensor was found";
   } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find(path + ": no tensor named \"missing\""),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find(path + ": no tensor named \"missing\""), std::string::npos)
         << e.what();
   }
 }
@@ -228,9 +227,9 @@ TEST(SafetensorsDeathTest, ReadingARangeTouchesOnlyThatRange) {
   TempDir dir("st_range");
   const std::string path = dir / "three.safetensors";
   const int64_t n = 1 << 18;  // 1 MiB of fp32 per tensor
-  dtrain::write_safetensors(path, {{"a", at::full({n}, 1.0f)},
-                                   {"b", at::arange(n, at::kFloat)},
-                                   {"c", at::full({n}, 3.0f)}});
+  dtrain::write_safetensors(
+      path,
+      {{"a", at::full({n}, 1.0f)}, {"b", at::arange(n, at::kFloat)}, {"c", at::full({n}, 3.0f)}});
   dtrain::SafetensorsReader r(path);
   const dtrain::SafetensorsTensor& b = r.at("b");
   const int64_t lo = 100'003, hi = 150'001;  // odd element offsets
