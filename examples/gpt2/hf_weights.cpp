@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "dtrain/safetensors.h"
 #include "dtrain/errors.h"
+#include "dtrain/safetensors.h"
 
 namespace gpt2 {
 namespace {

@@ -462,7 +462,8 @@ void Gpt2Tokenizer::load(std::string_view json, std::string_view bpe, const std:
     if (value.is_number() && value.as_double() < 0) {
       throw dtrain::Error(source + ": negative id of " + token);
     }
-    if (!value.is_int()) throw dtrain::Error(source + ": the id of " + token + " is not an integer");
+    if (!value.is_int())
+      throw dtrain::Error(source + ": the id of " + token + " is not an integer");
     // Bounded to [0, kMaxVocabSize) above, so these resizes are bounded too.
     const int64_t id = value.as_int();
     if (static_cast<size_t>(id) >= id_bytes_.size()) {

@@ -72,7 +72,8 @@ std::string Trainer::save_checkpoint(int64_t step) {
   if (scaler_) state.values.merge(scaler_->state_dict());
   const dtrain::CheckpointStats stats = checkpointer_->save(*strategy_, optimizer_.get(), state);
   if (c_.ckpt_async) {
-    say(fmt::format("checkpoint: step {} copied in {:.3f} s on rank 0, writing to {} in the "
+    say(
+        fmt::format("checkpoint: step {} copied in {:.3f} s on rank 0, writing to {} in the "
                     "background",
                     step, stats.seconds, stats.path));
   } else {
