@@ -221,6 +221,12 @@ ABSL_FLAG(int64_t, ckpt_every, 0,
           "With --ckpt_dir: a checkpoint every N optimizer steps (0: only at the end and on "
           "SIGTERM/SIGINT); always one after the last step.");
 ABSL_FLAG(int, ckpt_keep, 2, "With --ckpt_dir: complete checkpoints kept (the newest).");
+ABSL_FLAG(bool, ckpt_async, false,
+          "With --ckpt_dir: write checkpoints in the background. A checkpoint blocks the step "
+          "only while the state is copied to host memory (--ckpt_format full: the whole model "
+          "and AdamW state on rank 0); the files are written meanwhile, in the same layout. A "
+          "failed write stops the run at the next checkpoint or at the end; the run ends only "
+          "after the last write is complete.");
 ABSL_FLAG(bool, resume, false,
           "Continue from the latest complete checkpoint in --ckpt_dir (start fresh when there "
           "is none); pass the same flags as the interrupted run. Another strategy or world "
@@ -441,6 +447,7 @@ Config config_from_flags() {
   c.ckpt_every = absl::GetFlag(FLAGS_ckpt_every);
   c.ckpt_keep = absl::GetFlag(FLAGS_ckpt_keep);
   c.ckpt_dir = absl::GetFlag(FLAGS_ckpt_dir);
+  c.ckpt_async = absl::GetFlag(FLAGS_ckpt_async);
   c.resume = absl::GetFlag(FLAGS_resume);
   check(c.vocab >= 0, "--vocab must not be negative");
   check(c.batch >= 1, "--batch must be at least 1");
@@ -465,6 +472,7 @@ Config config_from_flags() {
       "--ckpt_format must be full or sharded");
   check(c.ckpt_every >= 0 && c.ckpt_keep >= 1, "--ckpt_every >= 0 and --ckpt_keep >= 1");
   check(!c.resume || !c.ckpt_dir.empty(), "--resume needs --ckpt_dir");
+  check(!c.ckpt_async || !c.ckpt_dir.empty(), "--ckpt_async needs --ckpt_dir");
 
   const std::string data = absl::GetFlag(FLAGS_data);
   c.data = data == "random" ? DataKind::kRandom : DataKind::kText;

@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "checkpoint/safetensors.h"
 #include "dtrain/errors.h"
+#include "dtrain/safetensors.h"
 
 namespace gpt2 {
 namespace {
@@ -39,15 +39,15 @@ std::vector<std::pair<std::string, at::Tensor>> to_hf_gpt2(
 
 void export_hf_safetensors(const std::string& path,
                            const std::vector<std::pair<std::string, at::Tensor>>& params) {
-  dtrain::checkpoint::write_safetensors(path, to_hf_gpt2(params), {{"format", "pt"}});
+  dtrain::write_safetensors(path, to_hf_gpt2(params), {{"format", "pt"}});
 }
 
 void init_from_hf_safetensors(const std::string& path, Gpt& model) {
-  auto reader = dtrain::checkpoint::SafetensorsReader::open(path);
+  dtrain::SafetensorsReader reader(path);
   c10::NoGradGuard no_grad;
   for (auto& item : model->named_parameters(true)) {
     const std::string& name = item.key();
-    const dtrain::checkpoint::SafetensorsTensor* t = reader.find("transformer." + name);
+    const dtrain::SafetensorsTensor* t = reader.find("transformer." + name);
     if (t == nullptr) t = reader.find(name);
     if (t == nullptr) {
       throw dtrain::CheckpointError(

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/errors.h"
+#include "dtrain/json.h"
 
 namespace gpt2 {
 namespace {
@@ -18,29 +19,8 @@ std::string number(double v) {
   return fmt::format("{}", v);
 }
 
-std::string quoted(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", static_cast<int>(c));
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
+// Strings are written by dtrain's JSON writer (escapes included).
+std::string quoted(const std::string& s) { return dtrain::Json(s).dump(); }
 
 }  // namespace
 

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "checkpoint/crc32c.h"
+#include "dtrain/crc32c.h"
 
 namespace gpt2 {
 namespace {
@@ -48,7 +48,7 @@ void store_le(unsigned char* p, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(v >> (8 * i));
 }
 
-uint32_t crc32c(const void* data, size_t n) { return dtrain::checkpoint::crc32c(0, data, n); }
+uint32_t crc32c(const void* data, size_t n) { return dtrain::crc32c(0, data, n); }
 
 [[noreturn]] void cache_error(TokenCacheError::Kind kind, const std::string& name,
                               const std::string& problem) {

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include <dtrain/errors.h>
+#include <dtrain/json.h>
 
 namespace gpt2 {
 namespace {
@@ -211,24 +212,6 @@ CodePoint decode_utf8(std::string_view s, size_t i) {
   return {value, length};
 }
 
-void append_utf8(uint32_t c, std::string& out) {
-  if (c < 0x80) {
-    out += static_cast<char>(c);
-  } else if (c < 0x800) {
-    out += static_cast<char>(0xc0 | (c >> 6));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  } else if (c < 0x10000) {
-    out += static_cast<char>(0xe0 | (c >> 12));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  } else {
-    out += static_cast<char>(0xf0 | (c >> 18));
-    out += static_cast<char>(0x80 | ((c >> 12) & 0x3f));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  }
-}
-
 CharClass classify(uint32_t c) {
   if (c < 0x80) {
     if ((c | 0x20) >= 'a' && (c | 0x20) <= 'z') return CharClass::kLetter;
@@ -300,156 +283,6 @@ std::string printable(std::string_view text) {
   if (text.size() > 40) out += "...";
   return out;
 }
-
-// A reader for exactly what encoder.json is: one flat JSON object of string keys and
-// integer values. Keys come back as UTF-8.
-class FlatJsonReader {
- public:
-  FlatJsonReader(std::string_view text, std::string source)
-      : s_(text), source_(std::move(source)) {}
-
-  template <typename Fn>
-  void for_each(Fn&& fn) {
-    skip_space();
-    expect('{');
-    skip_space();
-    if (peek() == '}') {
-      ++pos_;
-      expect_end();
-      return;
-    }
-    while (true) {
-      skip_space();
-      std::string key = parse_string();
-      skip_space();
-      expect(':');
-      skip_space();
-      const int64_t value = parse_int();
-      fn(std::move(key), value);
-      skip_space();
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      expect('}');
-      expect_end();
-      return;
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw dtrain::Error(source_ + ": malformed JSON at byte " + std::to_string(pos_) + ": " + what);
-  }
-  char peek() const { return pos_ < s_.size() ? s_[pos_] : '\0'; }
-  void expect_end() {
-    skip_space();
-    if (pos_ != s_.size()) fail("unexpected text after the object");
-  }
-  void expect(char c) {
-    if (peek() != c) fail(std::string("expected '") + c + "'");
-    ++pos_;
-  }
-  void skip_space() {
-    while (pos_ < s_.size() &&
-           (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\r' || s_[pos_] == '\t')) {
-      ++pos_;
-    }
-  }
-  uint32_t parse_hex4() {
-    if (pos_ + 4 > s_.size()) fail("truncated \\u escape");
-    uint32_t v = 0;
-    for (int k = 0; k < 4; ++k) {
-      const char c = s_[pos_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') {
-        v |= c - '0';
-      } else if ((c | 0x20) >= 'a' && (c | 0x20) <= 'f') {
-        v |= (c | 0x20) - 'a' + 10;
-      } else {
-        fail("bad hex digit in \\u escape");
-      }
-    }
-    return v;
-  }
-  std::string parse_string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (pos_ >= s_.size()) fail("unterminated string");
-      const char c = s_[pos_++];
-      if (c == '"') return out;
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (pos_ >= s_.size()) fail("unterminated escape");
-      const char e = s_[pos_++];
-      switch (e) {
-        case '"':
-          out += '"';
-          break;
-        case '\\':
-          out += '\\';
-          break;
-        case '/':
-          out += '/';
-          break;
-        case 'b':
-          out += '\b';
-          break;
-        case 'f':
-          out += '\f';
-          break;
-        case 'n':
-          out += '\n';
-          break;
-        case 'r':
-          out += '\r';
-          break;
-        case 't':
-          out += '\t';
-          break;
-        case 'u': {
-          uint32_t c1 = parse_hex4();
-          // Characters outside the BMP are written as a UTF-16 surrogate pair.
-          if (c1 >= 0xd800 && c1 <= 0xdbff && s_.substr(pos_, 2) == "\\u") {
-            pos_ += 2;
-            const uint32_t c2 = parse_hex4();
-            if (c2 < 0xdc00 || c2 > 0xdfff) fail("unpaired surrogate");
-            c1 = 0x10000 + ((c1 - 0xd800) << 10) + (c2 - 0xdc00);
-          }
-          append_utf8(c1, out);
-          break;
-        }
-        default:
-          fail(std::string("unknown escape \\") + e);
-      }
-    }
-  }
-  // A token id: digits only, at most kMaxVocabSize - 1 (checked digit by digit, so no
-  // number is too long to read).
-  int64_t parse_int() {
-    const size_t start = pos_;
-    if (peek() == '-') {
-      throw dtrain::Error(source_ + ": negative id at byte " + std::to_string(start));
-    }
-    if (peek() < '0' || peek() > '9') fail("expected an integer");
-    int64_t value = 0;
-    while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') {
-      value = value * 10 + (s_[pos_++] - '0');
-      if (value >= kMaxVocabSize) {
-        throw dtrain::Error(source_ + ": id at byte " + std::to_string(start) +
-                            " exceeds the maximum " + std::to_string(kMaxVocabSize - 1));
-      }
-    }
-    return value;
-  }
-
-  std::string_view s_;
-  std::string source_;
-  size_t pos_ = 0;
-};
 
 // Calls emit(piece) for each of GPT-2's pre-tokenization pieces of `text`, in order.
 template <typename Emit>
@@ -609,8 +442,30 @@ void Gpt2Tokenizer::load(std::string_view json, std::string_view bpe, const std:
 
   std::unordered_map<std::string, int32_t> ids;  // raw bytes -> id
   std::vector<bool> assigned;
-  FlatJsonReader(json, source).for_each([&](std::string key, int64_t id) {
-    // parse_int() bounds id to [0, kMaxVocabSize), so these resizes are bounded too.
+  // encoder.json: one flat object of token strings to ids.
+  dtrain::Json vocabulary;
+  try {
+    vocabulary = dtrain::Json::parse(json);
+  } catch (const dtrain::JsonError& e) {
+    throw dtrain::Error(source + ": malformed JSON: " + e.cause());
+  }
+  if (!vocabulary.is_object()) {
+    throw dtrain::Error(source + ": malformed JSON: not an object of token strings to ids");
+  }
+  for (const auto& [key, value] : vocabulary.as_object()) {
+    const std::string token = "token \"" + printable(key) + "\"";
+    // A number may also come as a double (1e7, 3.0): bounded the same way.
+    if (value.is_number() && value.as_double() >= static_cast<double>(kMaxVocabSize)) {
+      throw dtrain::Error(source + ": id of " + token + " exceeds the maximum " +
+                          std::to_string(kMaxVocabSize - 1));
+    }
+    if (value.is_number() && value.as_double() < 0) {
+      throw dtrain::Error(source + ": negative id of " + token);
+    }
+    if (!value.is_int())
+      throw dtrain::Error(source + ": the id of " + token + " is not an integer");
+    // Bounded to [0, kMaxVocabSize) above, so these resizes are bounded too.
+    const int64_t id = value.as_int();
     if (static_cast<size_t>(id) >= id_bytes_.size()) {
       id_bytes_.resize(id + 1);
       assigned.resize(id + 1);
@@ -618,13 +473,12 @@ void Gpt2Tokenizer::load(std::string_view json, std::string_view bpe, const std:
     if (assigned[id]) {
       throw dtrain::Error(source + ": id " + std::to_string(id) + " is given to two tokens");
     }
+    // The reader refuses duplicate keys, and to_bytes is one to one: no token comes twice.
     std::string bytes = to_bytes(key, source);
-    if (!ids.emplace(bytes, static_cast<int32_t>(id)).second) {
-      throw dtrain::Error(source + ": token \"" + printable(key) + "\" appears twice");
-    }
+    ids.emplace(bytes, static_cast<int32_t>(id));
     assigned[id] = true;
     id_bytes_[id] = std::move(bytes);
-  });
+  }
   if (ids.size() != id_bytes_.size()) {
     throw dtrain::Error(source + ": ids are not 0.." + std::to_string(id_bytes_.size() - 1) +
                         " once each (" + std::to_string(ids.size()) + " distinct tokens)");

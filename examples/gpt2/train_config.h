@@ -109,6 +109,7 @@ struct Config {
   dtrain::CheckpointFormat ckpt_format = dtrain::CheckpointFormat::kSharded;
   int64_t ckpt_every = 0;
   int ckpt_keep = 2;
+  bool ckpt_async = false;  // --ckpt_async: background writes
   bool resume = false;
   bool eval_only = false;  // validation loss and sample of the loaded weights, no step
   std::string export_path, init_from;

@@ -103,6 +103,7 @@ void Trainer::run() {
   // Every rank, after its last batch: a rank with batches left makes every rank fail here
   // with a message naming the ranks (the split is even today; this keeps it checked).
   strategy_->finish();
+  wait_for_checkpoint();  // --ckpt_async: the run ends with its last checkpoint written
   say(
       fmt::format("done: {} steps in {}; final loss {:.4f}, val_loss {:.4f}, grad_norm {:.3f}, "
                   "peak RSS {:.0f} MiB (max over ranks)",

@@ -17,6 +17,7 @@
 #include "blas_setup.h"
 #include "data.h"
 #include "dtrain/autocast.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/grad_scaler.h"
 #include "dtrain/rendezvous.h"
@@ -74,6 +75,7 @@ class Trainer {
   int64_t resume_step();
   void checkpoint_or_stop(const StepRecord& r, int64_t total_steps);
   std::string save_checkpoint(int64_t step);
+  void wait_for_checkpoint();  // --ckpt_async: the write in flight complete (or its error)
   void export_weights();
 
   // The sample at the end (sample.cpp).
@@ -102,6 +104,8 @@ class Trainer {
   std::unique_ptr<dtrain::GradScaler> scaler_;  // --loss_scale
   Reporter report_;
   std::unique_ptr<OpProfile> op_profile_;  // rank 0 with --profile_out
+  // With --ckpt_dir. Last: destroyed first, it waits for a background write in flight.
+  std::unique_ptr<dtrain::Checkpointer> checkpointer_;
 };
 
 }  // namespace gpt2

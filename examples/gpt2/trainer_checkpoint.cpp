@@ -53,6 +53,7 @@ void Trainer::checkpoint_or_stop(const StepRecord& r, int64_t total_steps) {
   if (!c_.ckpt_dir.empty() && (every || r.step == total_steps || r.stop_signal != 0)) {
     saved = save_checkpoint(r.step);
   }
+  if (r.stop_signal != 0) wait_for_checkpoint();  // written before the run says so
   if (r.stop_signal != 0) {
     throw std::runtime_error(
         fmt::format("stopped by {} after step {}: {}", strsignal(r.stop_signal), r.step,
@@ -62,19 +63,37 @@ void Trainer::checkpoint_or_stop(const StepRecord& r, int64_t total_steps) {
 }
 
 std::string Trainer::save_checkpoint(int64_t step) {
-  dtrain::CheckpointOptions o;
-  o.format = c_.ckpt_format;
-  o.keep = c_.ckpt_keep;
+  if (!checkpointer_) {
+    dtrain::CheckpointOptions o;
+    o.format = c_.ckpt_format;
+    o.keep = c_.ckpt_keep;
+    o.async = c_.ckpt_async;
+    checkpointer_ = std::make_unique<dtrain::Checkpointer>(c_.ckpt_dir, o);
+  }
+  wait_for_checkpoint();  // the previous background write, reported before the next starts
   dtrain::TrainingState state;
   state.step = step;
   state.values["seed"] = std::to_string(c_.seed);
   state.values["global_batch"] = std::to_string(c_.batch * info_.world_size * c_.grad_accum);
   if (scaler_) state.values.merge(scaler_->state_dict());
-  const dtrain::CheckpointStats stats =
-      dtrain::save_checkpoint(c_.ckpt_dir, *strategy_, optimizer_.get(), state, o);
-  say(fmt::format("checkpoint: step {} to {} ({:.1f} MiB written in {:.2f} s on rank 0)", step,
-                  stats.path, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  const dtrain::CheckpointStats stats = checkpointer_->save(*strategy_, optimizer_.get(), state);
+  if (c_.ckpt_async) {
+    say(
+        fmt::format("checkpoint: step {} copied in {:.3f} s on rank 0, writing to {} in the "
+                    "background",
+                    step, stats.seconds, stats.path));
+  } else {
+    say(fmt::format("checkpoint: step {} to {} ({:.1f} MiB written in {:.2f} s on rank 0)", step,
+                    stats.path, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
+  }
   return stats.path;
+}
+
+void Trainer::wait_for_checkpoint() {
+  if (!checkpointer_ || !checkpointer_->in_flight()) return;
+  const dtrain::CheckpointStats stats = checkpointer_->wait();
+  say(fmt::format("checkpoint: {} written in the background ({:.1f} MiB in {:.2f} s on rank 0)",
+                  stats.path, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
 }
 
 // --export: the full fp32 weights (gathered under FSDP, a collective) written by rank 0

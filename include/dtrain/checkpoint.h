@@ -7,6 +7,13 @@
 //   state.values["epoch"] = std::to_string(epoch);     // anything else the loop needs
 //   dtrain::save_checkpoint("ckpt", *strategy, &optimizer, state, o);   // every rank
 //
+//   dtrain::CheckpointOptions bg;                      // or in the background:
+//   bg.async = true;
+//   dtrain::Checkpointer ckpt("ckpt", bg);            // one per directory, kept across steps
+//   ckpt.save(*strategy, &optimizer, state);           // blocks only for a copy to host memory
+//   ...
+//   ckpt.wait();                                       // before the end: complete, or throws
+//
 //   std::string latest = dtrain::latest_checkpoint("ckpt");            // "" if none
 //   if (!latest.empty()) state = dtrain::load_checkpoint(latest, *strategy, &optimizer);
 //
@@ -35,9 +42,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 
 #include "dtrain/strategy.h"
@@ -64,7 +73,16 @@ struct CheckpointOptions {
   // Called on every rank at named points of a save: "tmp_created", "mid_file",
   // "files_written", and on rank 0 "before_rename", "renamed". For tests that kill a
   // writer at a given point; leave empty otherwise.
+  // With async (background saves, Checkpointer only) the points after "tmp_created" are
+  // called on the background thread.
   std::function<void(const char* point)> on_progress;
+  // Background saves (see Checkpointer): the state is copied to host memory at the call and
+  // written by a background thread; the directory written is byte for byte the one a
+  // foreground save writes. save_checkpoint refuses it (nothing would report its errors).
+  bool async = false;
+  // How long rank 0's background thread waits for the other ranks' files before it fails
+  // the save (a rank died); at least as long as the slowest rank's write.
+  std::chrono::milliseconds async_timeout = std::chrono::minutes(10);
 };
 
 // What a save or load did on this rank.
@@ -73,14 +91,61 @@ struct CheckpointStats {
   int64_t bytes = 0;   // bytes this rank wrote (save) or read from disk (load)
   double seconds = 0;  // wall time of the call on this rank
 };
+// For a background save, Checkpointer::save returns the time the call blocked (the copy)
+// and 0 bytes; Checkpointer::wait returns the bytes written and the background write's time.
 
 // Saves the training state into DIR/step_<state.step> (see the header comment). Collective:
 // every rank of the strategy calls it with the same arguments; rank 0's `state` is saved.
 // `optimizer` may be null (weights only). Throws CheckpointError (I/O) or InvalidArgument
-// (an unsupported optimizer, a strategy without state_layout) on every rank.
+// (an unsupported optimizer, a strategy without state_layout) on every rank; options.async
+// is refused (InvalidArgument: use a Checkpointer).
 CheckpointStats save_checkpoint(const std::string& dir, Strategy& strategy,
                                 torch::optim::Optimizer* optimizer, const TrainingState& state,
                                 const CheckpointOptions& options = {});
+
+// Saves checkpoints into one directory, one at a time: in the foreground (as
+// save_checkpoint), or with CheckpointOptions::async in the background.
+//
+// A background save is collective at the call, like a foreground one: the ranks agree on the
+// optimizer state, gather the random generators, and copy what they write to host memory
+// (the full form: every tensor gathered whole into rank 0's host memory, so rank 0 needs
+// room for the whole model and optimizer state; the sharded form: each rank its share).
+// That copy is all the step waits for. A thread per rank then writes the files with the same
+// atomic, checksummed layout; rank 0's thread waits for every rank's files (at most
+// async_timeout) and makes the checkpoint visible as a foreground save does, without a
+// collective, so the checkpoint is complete as soon as the slowest rank has written.
+//
+// Errors of a background write are never lost: wait() (collective) throws them on every rank
+// (a CheckpointError naming the rank, the step and the cause on the rank that failed; "another
+// rank failed" on the others), and save() calls wait() first, so a failed write surfaces at
+// the next save at the latest. A second save while one is in flight waits for it. The
+// destructor waits for the write in flight too (it does not throw: an error nobody waited
+// for is printed to stderr); destroyed by an exception, it stops rank 0 waiting for the
+// other ranks. Call wait() before the end of training, on every rank.
+class Checkpointer {
+ public:
+  explicit Checkpointer(std::string dir, CheckpointOptions options = {});
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Collective, between steps (as save_checkpoint). Waits for the previous save (throwing its
+  // error), then saves `state.step`: to the end (foreground) or until the copy is taken.
+  CheckpointStats save(Strategy& strategy, torch::optim::Optimizer* optimizer,
+                       const TrainingState& state);
+  // Collective. Until the save in flight is complete and visible; throws its error. Returns
+  // its stats (empty when none was in flight).
+  CheckpointStats wait();
+  // A background save was started and not yet waited for.
+  bool in_flight() const;
+  const std::string& dir() const { return dir_; }
+
+ private:
+  struct Write;
+  std::string dir_;
+  CheckpointOptions options_;
+  std::unique_ptr<Write> write_;
+};
 
 // The newest complete checkpoint directory in `dir`, or "" when there is none. Incomplete
 // saves (killed writers) are never returned.

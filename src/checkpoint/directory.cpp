@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "checkpoint/crc32c.h"
+#include "dtrain/crc32c.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::checkpoint {
@@ -96,7 +96,7 @@ Json read_manifest(const std::string& checkpoint_path) {
     if (!j.is_object()) throw JsonError("not an object");
     return j;
   } catch (const JsonError& e) {
-    throw CheckpointError(fmt::format("{}: unreadable manifest: {}", path, e.what()));
+    throw CheckpointError(fmt::format("{}: unreadable manifest: {}", path, e.cause()));
   }
 }
 

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "checkpoint/files.h"
-#include "checkpoint/json.h"
+#include "dtrain/json.h"
 
 namespace dtrain::checkpoint {
 

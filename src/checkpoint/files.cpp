@@ -1,6 +1,7 @@
 #include "checkpoint/files.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +12,7 @@
 
 #include <fmt/format.h>
 
-#include "checkpoint/crc32c.h"
+#include "dtrain/crc32c.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::checkpoint {
@@ -102,15 +103,32 @@ void read_exact(int fd, const std::string& path, uint64_t offset, void* out, siz
   }
 }
 
-PlainFile::PlainFile(std::string path) : path_(std::move(path)) { fd_ = open_read(path_, &size_); }
-PlainFile::~PlainFile() { ::close(fd_); }
+MappedFile::MappedFile(std::string path) : path_(std::move(path)) {
+  const int fd = open_read(path_, &size_);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      errno = err;
+      fail_errno(path_, "cannot map");
+    }
+    data_ = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);  // the mapping keeps the file
+}
 
-void PlainFile::read(uint64_t offset, void* out, size_t n) {
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+void MappedFile::read(uint64_t offset, void* out, size_t n) {
   if (offset > size_ || n > size_ - offset) {
     throw CheckpointError(fmt::format("{}: truncated: bytes [{}, {}) requested, the file has {}",
                                       path_, offset, offset + n, size_));
   }
-  read_exact(fd_, path_, offset, out, n);
+  if (n == 0) return;
+  std::memcpy(out, data_ + offset, n);
   bytes_read_ += n;
 }
 

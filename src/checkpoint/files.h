@@ -51,21 +51,27 @@ class ByteSource {
   virtual const std::string& path() const = 0;
   // Bytes actually read from disk so far (verification reads whole chunks).
   virtual uint64_t bytes_read() const = 0;
+  // The file's bytes when it is memory-mapped; null otherwise.
+  virtual const uint8_t* mapped() const { return nullptr; }
 };
 
-// A plain file, no checksums (safetensors files from elsewhere).
-class PlainFile final : public ByteSource {
+// A file mapped read-only, no checksums (safetensors files from elsewhere): a read copies
+// exactly the requested bytes out of the mapping, so it touches no other page of the file.
+class MappedFile final : public ByteSource {
  public:
-  explicit PlainFile(std::string path);
-  ~PlainFile() override;
+  explicit MappedFile(std::string path);
+  ~MappedFile() override;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
   uint64_t size() const override { return size_; }
   void read(uint64_t offset, void* out, size_t n) override;
   const std::string& path() const override { return path_; }
   uint64_t bytes_read() const override { return bytes_read_; }
+  const uint8_t* mapped() const override { return data_; }
 
  private:
   std::string path_;
-  int fd_ = -1;
+  const uint8_t* data_ = nullptr;  // null for an empty file (nothing to map)
   uint64_t size_ = 0;
   uint64_t bytes_read_ = 0;
 };

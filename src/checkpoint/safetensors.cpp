@@ -9,10 +9,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "checkpoint/json.h"
 #include "dtrain/errors.h"
+#include "dtrain/json.h"
 
-namespace dtrain::checkpoint {
+namespace dtrain {
 namespace {
 
 struct DtypeName {
@@ -37,7 +37,7 @@ const char* safetensors_dtype_name(c10::ScalarType dtype) {
   for (const auto& d : kDtypes) {
     if (d.dtype == dtype) return d.name;
   }
-  throw std::invalid_argument(
+  throw InvalidArgument(
       fmt::format("dtype {} has no safetensors equivalent here", c10::toString(dtype)));
 }
 
@@ -45,7 +45,7 @@ c10::ScalarType safetensors_dtype(const std::string& name) {
   for (const auto& d : kDtypes) {
     if (name == d.name) return d.dtype;
   }
-  throw std::invalid_argument(fmt::format("unsupported dtype \"{}\"", name));
+  throw InvalidArgument(fmt::format("unsupported dtype \"{}\"", name));
 }
 
 int64_t SafetensorsTensor::numel() const {
@@ -56,7 +56,8 @@ int64_t SafetensorsTensor::numel() const {
 
 namespace {
 
-// One header entry into `t` (absolute offsets); throws std::invalid_argument / JsonError.
+// One header entry into `t` (absolute offsets); throws std::invalid_argument or
+// InvalidArgument (JsonError, an unknown dtype).
 void parse_entry(const Json& value, uint64_t data_start, uint64_t data_size, SafetensorsTensor& t) {
   using std::invalid_argument;
   if (!value.is_object()) throw invalid_argument("is not an object");
@@ -93,40 +94,56 @@ void parse_entry(const Json& value, uint64_t data_start, uint64_t data_size, Saf
 
 }  // namespace
 
-SafetensorsReader SafetensorsReader::open(const std::string& path) {
-  return SafetensorsReader(std::make_unique<PlainFile>(path));
-}
+struct SafetensorsReader::Source {
+  std::unique_ptr<checkpoint::ByteSource> impl;
+};
 
-SafetensorsReader::SafetensorsReader(std::unique_ptr<ByteSource> source)
-    : source_(std::move(source)) {
-  const std::string& path = source_->path();
+struct SafetensorsWriter::File {
+  explicit File(std::string path) : writer(std::move(path)) {}
+  checkpoint::FileWriter writer;
+  checkpoint::FileDigest digest;  // set by finish()
+};
+
+SafetensorsReader::SafetensorsReader(const std::string& path)
+    : SafetensorsReader(
+          std::make_unique<Source>(Source{std::make_unique<checkpoint::MappedFile>(path)})) {}
+
+SafetensorsReader::~SafetensorsReader() = default;
+SafetensorsReader::SafetensorsReader(SafetensorsReader&&) noexcept = default;
+SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&&) noexcept = default;
+
+const std::string& SafetensorsReader::path() const { return source_->impl->path(); }
+
+SafetensorsReader::SafetensorsReader(std::unique_ptr<Source> source) : source_(std::move(source)) {
+  const std::string& path = source_->impl->path();
   auto bad = [&](const std::string& what) {
     return CheckpointError(fmt::format("{}: not a valid safetensors file: {}", path, what));
   };
-  const uint64_t file_size = source_->size();
+  const uint64_t file_size = source_->impl->size();
   if (file_size < 8) {
     throw bad(fmt::format("{} bytes, shorter than the 8-byte header size", file_size));
   }
   uint8_t size_bytes[8];
-  source_->read(0, size_bytes, 8);
+  source_->impl->read(0, size_bytes, 8);
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | size_bytes[i];
-  if (header_size > kMaxSafetensorsHeader) {
+  if (header_size > checkpoint::kMaxSafetensorsHeader) {
     throw bad(fmt::format("header size {} exceeds the {}-byte limit", header_size,
-                          kMaxSafetensorsHeader));
+                          checkpoint::kMaxSafetensorsHeader));
   }
   if (header_size > file_size - 8) {
     throw bad(fmt::format("header size {} runs past the end of the file ({} bytes; truncated?)",
                           header_size, file_size));
   }
   std::string text(header_size, '\0');
-  source_->read(8, text.data(), header_size);
+  source_->impl->read(8, text.data(), header_size);
+  header_bytes_ = source_->impl->bytes_read();
   if (text.empty() || text[0] != '{') throw bad("header does not start with '{'");
   Json header;
   try {
     header = Json::parse(text);
   } catch (const JsonError& e) {
-    throw bad(fmt::format("header: {}", e.what()));
+    throw bad(fmt::format("header: {}", e.cause()));
   }
   const uint64_t data_start = 8 + header_size;
   const uint64_t data_size = file_size - data_start;
@@ -144,7 +161,9 @@ SafetensorsReader::SafetensorsReader(std::unique_ptr<ByteSource> source)
     t.name = name;
     try {
       parse_entry(value, data_start, data_size, t);
-    } catch (const std::exception& e) {  // JsonError or std::invalid_argument
+    } catch (const InvalidArgument& e) {  // JsonError, an unknown dtype
+      throw bad(fmt::format("tensor \"{}\": {}", name, e.cause()));
+    } catch (const std::invalid_argument& e) {
       throw bad(fmt::format("tensor \"{}\": {}", name, e.what()));
     }
     index_[t.name] = tensors_.size();
@@ -179,30 +198,56 @@ const SafetensorsTensor* SafetensorsReader::find(const std::string& name) const 
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
-at::Tensor SafetensorsReader::read(const std::string& name) {
+const SafetensorsTensor& SafetensorsReader::at(const std::string& name) const {
   const SafetensorsTensor* t = find(name);
   if (t == nullptr) {
     throw CheckpointError(fmt::format("{}: no tensor named \"{}\"", path(), name));
   }
-  at::Tensor out = at::empty(t->shape, at::TensorOptions().dtype(t->dtype));
-  read_bytes(*t, 0, out.data_ptr(), t->end - t->begin);
+  return *t;
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name) {
+  const SafetensorsTensor& t = at(name);
+  at::Tensor out = at::empty(t.shape, at::TensorOptions().dtype(t.dtype));
+  read_bytes(t, 0, out.data_ptr(), t.nbytes());
+  return out;
+}
+
+at::Tensor SafetensorsReader::read_elements(const std::string& name, int64_t begin, int64_t end) {
+  const SafetensorsTensor& t = at(name);
+  if (begin < 0 || end < begin || end > t.numel()) {
+    throw CheckpointError(fmt::format("{}: elements [{}, {}) of tensor \"{}\" requested, it has {}",
+                                      path(), begin, end, name, t.numel()));
+  }
+  at::Tensor out = at::empty({end - begin}, at::TensorOptions().dtype(t.dtype));
+  const size_t item = c10::elementSize(t.dtype);
+  read_bytes(t, static_cast<uint64_t>(begin) * item, out.data_ptr(),
+             static_cast<size_t>(end - begin) * item);
   return out;
 }
 
 void SafetensorsReader::read_bytes(const SafetensorsTensor& t, uint64_t byte_offset, void* out,
                                    size_t n) {
-  if (byte_offset > t.end - t.begin || n > t.end - t.begin - byte_offset) {
+  if (byte_offset > t.nbytes() || n > t.nbytes() - byte_offset) {
     throw CheckpointError(fmt::format("{}: bytes [{}, {}) of tensor \"{}\" requested, it has {}",
-                                      path(), byte_offset, byte_offset + n, t.name,
-                                      t.end - t.begin));
+                                      path(), byte_offset, byte_offset + n, t.name, t.nbytes()));
   }
-  source_->read(t.begin + byte_offset, out, n);
+  source_->impl->read(t.begin + byte_offset, out, n);
+}
+
+uint64_t SafetensorsReader::bytes_read() const {
+  return source_->impl->bytes_read() - header_bytes_;
+}
+
+const void* SafetensorsReader::mapped_data(const SafetensorsTensor& t) const {
+  const uint8_t* base = source_->impl->mapped();
+  return base == nullptr ? nullptr : base + t.begin;
 }
 
 SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<SafetensorsTensor>& layout,
                                      const std::map<std::string, std::string>& metadata)
-    : file_(std::move(path)) {
-  const std::string& where = file_.path();
+    : file_(std::make_unique<File>(std::move(path))) {
+  const std::string& where = file_->writer.path();
   Json header = Json::object();
   if (!metadata.empty()) {
     Json m = Json::object();
@@ -220,9 +265,9 @@ SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Safeten
     Json entry = Json::object();
     try {
       entry.set("dtype", safetensors_dtype_name(t.dtype));
-    } catch (const std::invalid_argument& e) {
+    } catch (const InvalidArgument& e) {
       throw InvalidArgument(
-          fmt::format("write_safetensors {}: tensor \"{}\": {}", where, t.name, e.what()));
+          fmt::format("write_safetensors {}: tensor \"{}\": {}", where, t.name, e.cause()));
     }
     entry.set("shape", Json(std::move(shape)));
     entry.set("data_offsets", Json(Json::Array{Json(static_cast<int64_t>(data_bytes_)),
@@ -234,17 +279,17 @@ SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<Safeten
   text.append((8 - (text.size() % 8)) % 8, ' ');
   uint8_t size_bytes[8];
   for (int i = 0; i < 8; ++i) size_bytes[i] = static_cast<uint8_t>(text.size() >> (8 * i));
-  file_.write(size_bytes, 8);
-  file_.write(text.data(), text.size());
-  data_start_ = file_.bytes_written();
+  file_->writer.write(size_bytes, 8);
+  file_->writer.write(text.data(), text.size());
+  data_start_ = file_->writer.bytes_written();
 }
 
 void SafetensorsWriter::write(const void* data, size_t n) {
-  if (file_.bytes_written() - data_start_ + n > data_bytes_) {
-    throw InvalidArgument(
-        fmt::format("write_safetensors {}: more data than the header declares", file_.path()));
+  if (file_->writer.bytes_written() - data_start_ + n > data_bytes_) {
+    throw InvalidArgument(fmt::format("write_safetensors {}: more data than the header declares",
+                                      file_->writer.path()));
   }
-  file_.write(data, n);
+  file_->writer.write(data, n);
 }
 
 void SafetensorsWriter::write(const at::Tensor& t) {
@@ -252,14 +297,39 @@ void SafetensorsWriter::write(const at::Tensor& t) {
   write(c.data_ptr(), c.nbytes());
 }
 
-FileDigest SafetensorsWriter::finish() {
-  const uint64_t got = file_.bytes_written() - data_start_;
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+uint64_t SafetensorsWriter::finish() {
+  const uint64_t got = file_->writer.bytes_written() - data_start_;
   if (got != data_bytes_) {
     throw InvalidArgument(fmt::format("write_safetensors {}: {} data bytes written, {} declared",
-                                      file_.path(), got, data_bytes_));
+                                      file_->writer.path(), got, data_bytes_));
   }
-  return file_.finish();
+  file_->digest = file_->writer.finish();
+  return file_->digest.size;
 }
+
+void write_safetensors(const std::string& path,
+                       const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  checkpoint::write_safetensors(path, tensors, metadata);
+}
+
+SafetensorsReader SafetensorsAccess::open(std::unique_ptr<checkpoint::ByteSource> source) {
+  return SafetensorsReader(
+      std::make_unique<SafetensorsReader::Source>(SafetensorsReader::Source{std::move(source)}));
+}
+
+checkpoint::ByteSource& SafetensorsAccess::source(SafetensorsReader& reader) {
+  return *reader.source_->impl;
+}
+
+checkpoint::FileDigest SafetensorsAccess::finish(SafetensorsWriter& writer) {
+  writer.finish();
+  return writer.file_->digest;
+}
+
+namespace checkpoint {
 
 FileDigest write_safetensors(const std::string& path,
                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
@@ -281,7 +351,8 @@ FileDigest write_safetensors(const std::string& path,
     if (on_progress && i == data.size() / 2 && i > 0) on_progress("mid_file");
     w.write(data[i]);
   }
-  return w.finish();
+  return SafetensorsAccess::finish(w);
 }
 
-}  // namespace dtrain::checkpoint
+}  // namespace checkpoint
+}  // namespace dtrain

@@ -157,7 +157,7 @@ TEST(CheckpointDirectory, WriterKilledAtAnyPointLeavesAPreviousCheckpoint) {
     ASSERT_EQ(latest, d + "/" + step_dir_name(want));
     Json m = read_manifest(latest);
     EXPECT_EQ(m.at("step").as_int(), want);
-    auto reader = SafetensorsReader(std::make_unique<VerifiedFile>(
+    auto reader = SafetensorsAccess::open(std::make_unique<VerifiedFile>(
         latest + "/data.safetensors", digest_from_json(m.at("files").at("data.safetensors"))));
     for (const auto& t : reader.tensors()) {
       EXPECT_TRUE(reader.read(t.name).eq(static_cast<float>(want)).all().item<bool>()) << t.name;

@@ -1,17 +1,25 @@
-// The safetensors component: round trips for every dtype, the exact byte layout of a file
-// written by the reference implementation, and every malformed file refused with one line
-// naming the file and the problem. Also the JSON parser and CRC-32C under it.
+// The safetensors component (the public dtrain/safetensors.h): round trips for every dtype,
+// element and byte ranges at odd offsets, a range read touching only its own pages, the
+// exact byte layout of a file written by the reference implementation, and every malformed
+// file refused with one line naming the file and the problem. Also the JSON parser and
+// CRC-32C under it.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
 
-#include "checkpoint/crc32c.h"
-#include "checkpoint/json.h"
 #include "checkpoint/safetensors.h"
+#include "dtrain/crc32c.h"
 #include "dtrain/errors.h"
+#include "dtrain/json.h"
+#include "dtrain/safetensors.h"
 #include "support/temp_dir.h"
 
 namespace dtrain::checkpoint {
@@ -41,7 +49,7 @@ void expect_refused(const std::string& bytes, const std::string& problem) {
   const std::string path = dir / "bad.safetensors";
   write_bytes(path, bytes);
   try {
-    SafetensorsReader::open(path);
+    SafetensorsReader reader(path);
     FAIL() << "accepted a bad file; expected: " << problem;
   } catch (const CheckpointError& e) {
     const std::string what = e.what();
@@ -91,14 +99,17 @@ TEST(Json, RefusesMalformedText) {
   EXPECT_THROW(Json::parse(deep), JsonError);
 }
 
+// Every dtype the format names.
+constexpr c10::ScalarType kAllDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble,
+                                          at::kLong,  at::kInt,  at::kShort,    at::kChar,
+                                          at::kByte,  at::kBool};
+
 TEST(Safetensors, RoundTripEveryDtype) {
   TempDir dir("st");
   const std::string path = dir / "all.safetensors";
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  const c10::ScalarType dtypes[] = {at::kFloat, at::kHalf,  at::kBFloat16, at::kDouble, at::kLong,
-                                    at::kInt,   at::kShort, at::kChar,     at::kByte,   at::kBool};
   at::manual_seed(0);
-  for (auto dt : dtypes) {
+  for (auto dt : kAllDtypes) {
     at::Tensor t = (at::randn({3, 5}) * 50).to(dt);
     tensors.emplace_back(std::string("t.") + safetensors_dtype_name(dt), t);
   }
@@ -108,7 +119,7 @@ TEST(Safetensors, RoundTripEveryDtype) {
   const FileDigest digest = write_safetensors(path, tensors, {{"format", "pt"}, {"k", "v\"q"}});
   EXPECT_EQ(digest.size, std::filesystem::file_size(path));
 
-  auto r = SafetensorsReader::open(path);
+  SafetensorsReader r(path);
   EXPECT_EQ(r.metadata().at("format"), "pt");
   EXPECT_EQ(r.metadata().at("k"), "v\"q");
   ASSERT_EQ(r.tensors().size(), tensors.size());
@@ -132,6 +143,126 @@ TEST(Safetensors, RoundTripEveryDtype) {
   EXPECT_THROW(r.read("missing"), CheckpointError);
 }
 
+// The public API alone: every dtype through dtrain::write_safetensors and back, whole and
+// in element and byte ranges that start and end at odd offsets.
+TEST(Safetensors, PublicRoundTripEveryDtypeWholeAndInRanges) {
+  TempDir dir("st_pub");
+  const std::string path = dir / "all.safetensors";
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  at::manual_seed(1);
+  for (auto dt : kAllDtypes) {
+    tensors.emplace_back(std::string("t.") + dtrain::safetensors_dtype_name(dt),
+                         (at::randn({7, 11}) * 50).to(dt));
+  }
+  dtrain::write_safetensors(path, tensors, {{"format", "pt"}});
+  dtrain::SafetensorsReader r(path);
+  EXPECT_EQ(r.path(), path);
+  EXPECT_EQ(r.metadata().at("format"), "pt");
+  ASSERT_EQ(r.tensors().size(), tensors.size());
+  for (const auto& [name, want] : tensors) {
+    const dtrain::SafetensorsTensor& t = r.at(name);
+    EXPECT_EQ(dtrain::safetensors_dtype(dtrain::safetensors_dtype_name(t.dtype)), t.dtype);
+    EXPECT_EQ(t.shape, (std::vector<int64_t>{7, 11})) << name;
+    EXPECT_EQ(t.nbytes(), 77 * want.element_size()) << name;
+    EXPECT_TRUE(at::equal(r.read(name), want)) << name;
+    const at::Tensor flat = want.reshape({-1});
+    for (const auto& [b, e] :
+         {std::pair<int64_t, int64_t>{1, 4}, {3, 76}, {13, 14}, {0, 77}, {76, 77}, {5, 5}}) {
+      const at::Tensor got = r.read_elements(name, b, e);
+      EXPECT_EQ(got.scalar_type(), want.scalar_type()) << name;
+      EXPECT_TRUE(at::equal(got, flat.narrow(0, b, e - b)))
+          << name << " [" << b << ", " << e << ")";
+    }
+    // Bytes at an odd offset, of an odd length: exactly the bytes of the tensor there.
+    const size_t item = want.element_size();
+    std::string got(9, '\0');
+    r.read_bytes(t, 3, got.data(), got.size());
+    EXPECT_EQ(std::memcmp(got.data(), static_cast<const char*>(flat.data_ptr()) + 3, 9), 0) << name;
+    EXPECT_THROW(r.read_elements(name, 70, 78), CheckpointError) << name;
+    EXPECT_THROW(r.read_elements(name, -1, 2), CheckpointError) << name;
+    EXPECT_THROW(r.read_bytes(t, 77 * item - 2, got.data(), 3), CheckpointError) << name;
+  }
+  try {
+    r.at("missing");
+    FAIL() << "a missing tensor was found";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": no tensor named \"missing\""), std::string::npos)
+        << e.what();
+  }
+}
+
+// A real file cut short, or with a corrupted header, is refused at open with the file's name.
+TEST(Safetensors, TruncatedOrCorruptFileIsRefusedNamingTheFile) {
+  TempDir dir("st_cut");
+  const std::string path = dir / "cut.safetensors";
+  dtrain::write_safetensors(path, {{"a", at::arange(1000, at::kFloat)}, {"b", at::ones({10})}});
+  auto expect_refused_file = [&](const std::string& problem) {
+    try {
+      dtrain::SafetensorsReader reader(path);
+      FAIL() << "accepted; expected: " << problem;
+    } catch (const CheckpointError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(path + ": not a valid safetensors file: "), std::string::npos) << what;
+      EXPECT_NE(what.find(problem), std::string::npos) << what;
+    }
+  };
+  const auto size = std::filesystem::file_size(path);
+  std::filesystem::resize_file(path, size - 1);
+  expect_refused_file("tensor \"b\": data_offsets [4000, 4040] run past the data section");
+  std::filesystem::resize_file(path, 20);  // inside the header
+  expect_refused_file("runs past the end of the file");
+  dtrain::write_safetensors(path, {{"a", at::arange(1000, at::kFloat)}});
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f.put('[');  // the header's '{'
+  }
+  expect_refused_file("header does not start with '{'");
+}
+
+// Reading a range of a tensor touches only that range: every other page of the mapping is
+// made unreadable before the read (a touch outside the range would kill the process with
+// SIGSEGV), and the reader counts exactly the bytes asked for.
+TEST(SafetensorsDeathTest, ReadingARangeTouchesOnlyThatRange) {
+  TempDir dir("st_range");
+  const std::string path = dir / "three.safetensors";
+  const int64_t n = 1 << 18;  // 1 MiB of fp32 per tensor
+  dtrain::write_safetensors(
+      path,
+      {{"a", at::full({n}, 1.0f)}, {"b", at::arange(n, at::kFloat)}, {"c", at::full({n}, 3.0f)}});
+  dtrain::SafetensorsReader r(path);
+  const dtrain::SafetensorsTensor& b = r.at("b");
+  const int64_t lo = 100'003, hi = 150'001;  // odd element offsets
+  const at::Tensor want = at::arange(lo, hi, at::kFloat);
+
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t file_size = std::filesystem::file_size(path);
+  auto* base = static_cast<uint8_t*>(const_cast<void*>(r.mapped_data(b))) - b.begin;
+  const uint64_t first = (b.begin + lo * 4) / page * page;
+  const uint64_t last = (b.begin + hi * 4 + page - 1) / page * page;
+  const uint64_t mapped = (file_size + page - 1) / page * page;
+  ASSERT_GT(first, 0u);
+  ASSERT_LT(last, mapped);
+  EXPECT_EXIT(
+      {
+        if (::mprotect(base, first, PROT_NONE) != 0 ||
+            ::mprotect(base + last, mapped - last, PROT_NONE) != 0) {
+          std::_Exit(2);
+        }
+        const at::Tensor got = r.read_elements("b", lo, hi);
+        float odd[2];
+        r.read_bytes(b, lo * 4 + 4, odd, sizeof(odd));
+        const bool ok = at::equal(got, want) && odd[0] == static_cast<float>(lo + 1) &&
+                        odd[1] == static_cast<float>(lo + 2);
+        std::_Exit(ok ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
+  // And in this process: the bytes asked for, nothing more.
+  EXPECT_EQ(r.bytes_read(), 0u);
+  EXPECT_TRUE(at::equal(r.read_elements("b", lo, hi), want));
+  EXPECT_EQ(r.bytes_read(), static_cast<uint64_t>(hi - lo) * 4);
+}
+
 TEST(Safetensors, ReadsTheReferenceLayout) {
   // What huggingface's safetensors writes for {"test": torch.zeros(2, 2, dtype=int32)}
   // (the header padded with spaces to a multiple of 8).
@@ -141,7 +272,7 @@ TEST(Safetensors, ReadsTheReferenceLayout) {
   data[4] = 7;  // element [0, 1] = 7
   TempDir dir("st_ref");
   write_bytes(dir / "ref.safetensors", raw_file(padded, data));
-  auto r = SafetensorsReader::open(dir / "ref.safetensors");
+  SafetensorsReader r(dir / "ref.safetensors");
   at::Tensor t = r.read("test");
   EXPECT_EQ(t.scalar_type(), at::kInt);
   EXPECT_TRUE(at::equal(t, at::tensor({0, 7, 0, 0}, at::kInt).view({2, 2})));
@@ -193,7 +324,7 @@ TEST(Safetensors, RefusesBadFiles) {
       "shape too large");
   // A file that is not there.
   try {
-    SafetensorsReader::open("/nonexistent/x.safetensors");
+    SafetensorsReader reader("/nonexistent/x.safetensors");
     FAIL();
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/x.safetensors: cannot open"),

@@ -7,18 +7,18 @@
 #include <string>
 #include <string_view>
 
-#include "checkpoint/json.h"
+#include "dtrain/json.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
-  dtrain::checkpoint::Json value;
+  dtrain::Json value;
   try {
-    value = dtrain::checkpoint::Json::parse(text);
-  } catch (const dtrain::checkpoint::JsonError&) {
+    value = dtrain::Json::parse(text);
+  } catch (const dtrain::JsonError&) {
     return 0;
   }
   const std::string once = value.dump();
-  const std::string twice = dtrain::checkpoint::Json::parse(once).dump();
+  const std::string twice = dtrain::Json::parse(once).dump();
   if (once != twice) {
     std::fprintf(stderr, "dump is not a fixed point:\n%s\n%s\n", once.c_str(), twice.c_str());
     std::abort();

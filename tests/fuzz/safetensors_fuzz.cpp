@@ -37,7 +37,7 @@ class MemorySource final : public dtrain::checkpoint::ByteSource {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
-    dtrain::checkpoint::SafetensorsReader reader(std::make_unique<MemorySource>(data, size));
+    auto reader = dtrain::SafetensorsAccess::open(std::make_unique<MemorySource>(data, size));
     // The reader validated that the data section holds exactly the declared tensors, so
     // reading all of them touches at most `size` bytes.
     for (const auto& t : reader.tensors()) reader.read(t.name);

@@ -16,7 +16,7 @@
 #include <string_view>
 #include <vector>
 
-#include "checkpoint/crc32c.h"
+#include "dtrain/crc32c.h"
 #include "token_cache.h"
 
 namespace {
@@ -74,9 +74,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if ((mode & 1) != 0) {
       const size_t payload = bytes.size() - gpt2::kTokenCacheHeaderBytes;
       store_le(bytes, 32,
-               dtrain::checkpoint::crc32c(0, bytes.data() + gpt2::kTokenCacheHeaderBytes, payload),
+               dtrain::crc32c(0, bytes.data() + gpt2::kTokenCacheHeaderBytes, payload),
                4);
-      store_le(bytes, 36, dtrain::checkpoint::crc32c(0, bytes.data(), 36), 4);
+      store_le(bytes, 36, dtrain::crc32c(0, bytes.data(), 36), 4);
     }
   }
 

@@ -33,9 +33,9 @@ int checkpoint_writer(const std::string& dir, const std::string& pause_at) {
                              at::full({1 << 18}, static_cast<float>(step)));
       }
       const auto digest = ck::write_safetensors(tmp + "/data.safetensors", tensors, {}, progress);
-      ck::Json files = ck::Json::object();
+      Json files = Json::object();
       files.set("data.safetensors", ck::digest_to_json(digest));
-      ck::Json manifest = ck::Json::object();
+      Json manifest = Json::object();
       manifest.set("step", step);
       manifest.set("files", std::move(files));
       progress("files_written");

@@ -15,7 +15,7 @@
 #include <ATen/ATen.h>
 #include <dtrain/errors.h>
 
-#include "checkpoint/crc32c.h"
+#include "dtrain/crc32c.h"
 #include "data.h"
 
 namespace gpt2 {
@@ -227,9 +227,9 @@ void put_le(std::string& bytes, size_t offset, uint64_t value, int width) {
 // Recomputes both checksums, so that only the check a test aims at can fail.
 void reseal(std::string& bytes) {
   const size_t payload = bytes.size() - kTokenCacheHeaderBytes;
-  put_le(bytes, 32, dtrain::checkpoint::crc32c(0, bytes.data() + kTokenCacheHeaderBytes, payload),
+  put_le(bytes, 32, dtrain::crc32c(0, bytes.data() + kTokenCacheHeaderBytes, payload),
          4);
-  put_le(bytes, 36, dtrain::checkpoint::crc32c(0, bytes.data(), 36), 4);
+  put_le(bytes, 36, dtrain::crc32c(0, bytes.data(), 36), 4);
 }
 
 // A source whose cache load_tokens() wrote; warnings are collected.

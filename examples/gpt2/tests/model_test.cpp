@@ -9,7 +9,7 @@
 #include <fstream>
 #include <map>
 
-#include "checkpoint/safetensors.h"
+#include "dtrain/safetensors.h"
 #include "compat/attention.h"
 #include "dtrain/errors.h"
 #include "hf_weights.h"
@@ -288,7 +288,7 @@ TEST(HfWeights, ExportHasGpt2NamesAndLayoutsAndRoundTripsBitForBit) {
   const std::string path = ::testing::TempDir() + "hf_weights_test.safetensors";
   export_hf_safetensors(path, params);
 
-  auto r = dtrain::checkpoint::SafetensorsReader::open(path);
+  dtrain::SafetensorsReader r(path);
   EXPECT_EQ(r.metadata().at("format"), "pt");
   const std::map<std::string, std::vector<int64_t>> want = {
       {"transformer.wte.weight", {40, 16}},

@@ -1,22 +1,30 @@
-// A minimal JSON value, parser and writer for the safetensors header and the checkpoint
-// manifest (dtrain has no JSON dependency). Objects keep their key order; duplicate keys,
-// trailing garbage, nesting deeper than 64 and invalid UTF-16 escapes are refused.
-// Integers that fit in int64 stay exact; other numbers are doubles.
+// dtrain's one JSON reader (and writer): a small JSON value, for safetensors headers,
+// checkpoint manifests and the files tools and examples read (a tokenizer's vocabulary, a
+// trainer's metrics lines); dtrain has no JSON dependency.
+//
+//   const dtrain::Json j = dtrain::Json::parse(text);   // throws dtrain::JsonError
+//   for (const auto& [key, value] : j.as_object()) ... value.as_int() ...
+//
+// Objects keep their key order; duplicate keys, trailing garbage, nesting deeper than 64 and
+// invalid UTF-16 escapes are refused. Integers that fit in int64 stay exact; other numbers
+// are doubles. Strings come back as UTF-8.
 #pragma once
 
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
-namespace dtrain::checkpoint {
+#include "dtrain/errors.h"
 
-// What the parser refuses: message names the byte offset and the problem.
-class JsonError : public std::runtime_error {
+namespace dtrain {
+
+// What the parser refuses, or a value of another type or a missing key than asked for;
+// cause() names the byte offset (parse) or the key/type and the problem.
+class JsonError : public InvalidArgument {
  public:
-  using std::runtime_error::runtime_error;
+  using InvalidArgument::InvalidArgument;
 };
 
 class Json {
@@ -79,4 +87,4 @@ class Json {
 
 const char* to_string(Json::Type type);
 
-}  // namespace dtrain::checkpoint
+}  // namespace dtrain

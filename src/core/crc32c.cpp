@@ -1,4 +1,4 @@
-#include "checkpoint/crc32c.h"
+#include "dtrain/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include <nmmintrin.h>
 #endif
 
-namespace dtrain::checkpoint {
+namespace dtrain {
 namespace {
 
 constexpr uint32_t kPoly = 0x82F63B78u;  // reflected Castagnoli polynomial
@@ -79,4 +79,4 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
   return crc32c_portable(crc, data, n);
 }
 
-}  // namespace dtrain::checkpoint
+}  // namespace dtrain
