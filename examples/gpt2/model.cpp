@@ -214,8 +214,12 @@ at::Tensor GptImpl::forward(const at::Tensor& idx) { return head(hidden(idx)); }
 
 at::Tensor GptImpl::head(const at::Tensor& hidden) {
   // The LM head is the token embedding, transposed: no second parameter. Its backward reads
-  // the table (the gradient for `hidden` is grad @ wte).
-  return dtrain::unit_call(*wte, [&] { return at::linear(hidden, wte->weight); });
+  // the table (the gradient for `hidden` is grad @ wte). Without grad mode (generation)
+  // there is no backward, as with the fused loss that training calls wte with last.
+  const auto reads = c10::GradMode::is_enabled() ? dtrain::ParamsInBackward::kRead
+                                                 : dtrain::ParamsInBackward::kNotRead;
+  return dtrain::unit_call(
+      *wte, [&] { return at::linear(hidden, wte->weight); }, reads);
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool fused) {
