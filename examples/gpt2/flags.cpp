@@ -22,10 +22,21 @@
 
 // Launch
 ABSL_FLAG(std::string, strategy, "single",
-          "single | ddp | fsdp: how the model is spread over ranks. single: one process, no "
-          "communication (the baseline). ddp: every rank holds the model, gradients are "
+          "single | ddp | fsdp | auto: how the model is spread over ranks. single: one process, "
+          "no communication (the baseline). ddp: every rank holds the model, gradients are "
           "all-reduced in buckets during backward. fsdp: parameters, gradients and optimizer "
-          "state sharded over ranks, every transformer block an FSDP unit.");
+          "state sharded over ranks, every transformer block an FSDP unit. auto: the memory "
+          "planner's choice, the first whose estimated memory per rank fits --memory_per_rank: "
+          "single (one rank), else ddp, then fsdp from the least sharding (grad_op, hybrid "
+          "with growing shard groups) to full; it prints the choice and every estimate. Any "
+          "strategy whose estimate does not fit is refused before the model is built "
+          "(docs/strategies.md, \"Memory per rank\").");
+ABSL_FLAG(double, memory_per_rank, 0,
+          "GiB of memory each rank may use, the memory planner's budget (0: the default: the "
+          "device's memory with --device cuda; on the CPU MemAvailable or the cgroup limit, "
+          "whichever is smaller, shared equally among the local ranks). A run whose estimated "
+          "peak per rank exceeds it is refused up front, naming the estimate and the "
+          "strategies that fit; pass a larger value to run anyway.");
 ABSL_FLAG(int, nproc, 1,
           "Ranks to start on this machine. With N > 1 the program starts N copies of itself "
           "as ranks 0..N-1 (posix_spawn of /proc/self/exe with RANK, WORLD_SIZE, LOCAL_RANK, "
@@ -60,7 +71,9 @@ ABSL_FLAG(int, timeout_s, 300,
 ABSL_FLAG(std::string, model, "tiny",
           "Preset. GPT-2, a causal language model: tiny (4 layers, 4 heads, dim 256, ctx 128; "
           "16.1M parameters), paper-27m (6, 6, 360, 256; 27.5M), gpt2 (12, 12, 768, 1024; "
-          "124M). BERT, a masked language model (15% of positions predicted, docs/bert.md): "
+          "124M), gpt2-medium (24, 16, 1024, 1024; 355M), gpt2-large (36, 20, 1280, 1024; "
+          "774M), gpt2-xl (48, 25, 1600, 1024; 1558M), Hugging Face's shapes. BERT, a masked "
+          "language model (15% of positions predicted, docs/bert.md): "
           "bert-tiny (4, 4, 256, ctx 128, feed-forward 1024; 16.1M), bert (10, 7, 448, 128, "
           "1792; 46.7M). The flags below override single dimensions. BERT runs have no text "
           "sample and refuse --export and --init_from (Hugging Face GPT-2 weights).");
@@ -319,12 +332,17 @@ Config config_from_flags() {
   read_model(c);
 
   const std::string strategy = absl::GetFlag(FLAGS_strategy);
+  c.strategy_auto = strategy == "auto";
   c.strategy =
-      choose<StrategyKind>(strategy,
+      choose<StrategyKind>(c.strategy_auto ? "single" : strategy,
                            {{"single", StrategyKind::kSingle},
                             {"ddp", StrategyKind::kDdp},
                             {"fsdp", StrategyKind::kFsdp}},
-                           "--strategy must be single, ddp or fsdp, got '" + strategy + "'");
+                           "--strategy must be single, ddp, fsdp or auto, got '" + strategy + "'");
+  const double memory_gib = absl::GetFlag(FLAGS_memory_per_rank);
+  check(memory_gib >= 0 && std::isfinite(memory_gib) && memory_gib < 1e9,
+        "--memory_per_rank must be a non-negative number of GiB (0: the default)");
+  c.memory_per_rank = static_cast<int64_t>(memory_gib * static_cast<double>(int64_t{1} << 30));
   c.device = choose<DeviceKind>(absl::GetFlag(FLAGS_device),
                                 {{"cpu", DeviceKind::kCpu}, {"cuda", DeviceKind::kCuda}},
                                 "--device must be cpu or cuda");
@@ -390,11 +408,11 @@ Config config_from_flags() {
                             "--tokenizer must be gpt2 or byte");
   check(c.precision != Precision::kFp16 || c.device == DeviceKind::kCuda,
         "--precision fp16 needs --device cuda (CPU kernels lack fp16; use bf16 on CPU)");
-  if (c.strategy == StrategyKind::kFsdp) {
+  if (c.strategy == StrategyKind::kFsdp || c.strategy_auto) {
     check(c.comm_hook != CommHookKind::kParameterServer &&
               c.comm_hook != CommHookKind::kPowerSgd,
-          "--comm_hook ps and powersgd are DataParallel hooks; fsdp reduces with reduce-scatter "
-          "(allreduce, fp16 or bf16 reduce dtype)");
+          "--comm_hook ps and powersgd are DataParallel hooks; fsdp (which --strategy auto may "
+          "choose) reduces with reduce-scatter (allreduce, fp16 or bf16 reduce dtype)");
   }
   const std::string loss_scale = absl::GetFlag(FLAGS_loss_scale);
   c.loss_scale_value = absl::GetFlag(FLAGS_loss_scale_init);

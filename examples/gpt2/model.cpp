@@ -78,6 +78,12 @@ GptConfig preset(const std::string& name) {
     c.layers = 6, c.heads = 6, c.dim = 360, c.context = 256;
   } else if (name == "gpt2") {
     c.layers = 12, c.heads = 12, c.dim = 768, c.context = 1024;
+  } else if (name == "gpt2-medium") {  // Hugging Face's shapes (n_layer, n_head, n_embd)
+    c.layers = 24, c.heads = 16, c.dim = 1024, c.context = 1024;
+  } else if (name == "gpt2-large") {
+    c.layers = 36, c.heads = 20, c.dim = 1280, c.context = 1024;
+  } else if (name == "gpt2-xl") {
+    c.layers = 48, c.heads = 25, c.dim = 1600, c.context = 1024;
   } else {
     throw dtrain::InvalidArgument(fmt::format("unknown model preset '{}' (one of: {})", name,
                                               fmt::join(preset_names(), ", ")));
@@ -85,7 +91,9 @@ GptConfig preset(const std::string& name) {
   return c;
 }
 
-std::vector<std::string> preset_names() { return {"tiny", "paper-27m", "gpt2"}; }
+std::vector<std::string> preset_names() {
+  return {"tiny", "paper-27m", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"};
+}
 
 int64_t count_parameters(const GptConfig& c) {
   const int64_t d = c.dim;
@@ -138,15 +146,44 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 GptImpl::GptImpl(const GptConfig& config)
     : wte(nullptr), wpe(nullptr), h(nullptr), ln_f(nullptr), config_(config) {
   config_.validate();
+  // Deferred: each part gives its memory back as soon as it is built.
+  auto built = [&](torch::nn::Module& m) {
+    if (config_.deferred) dtrain::defer_parameters(m, config_.deferred_device);
+  };
   wte = register_module("wte", torch::nn::Embedding(config_.vocab_size, config_.dim));
+  built(*wte);
   wpe = register_module("wpe", torch::nn::Embedding(config_.context, config_.dim));
+  built(*wpe);
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < config_.layers; ++i) {
     blocks.push_back(Block(config_.dim, config_.heads, config_.fused_attention));
+    built(*blocks.back());
     h->push_back(blocks.back());
   }
   ln_f = register_module("ln_f", layer_norm(config_.dim));
-  reset_parameters();
+  built(*ln_f);
+  if (!config_.deferred) reset_parameters();
+}
+
+dtrain::DeferredInit param_init(const GptConfig& config, uint64_t seed) {
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config.layers));
+  auto ends_with = [](const std::string& s, const char* suffix) {
+    const std::string t(suffix);
+    return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;
+  };
+  return dtrain::DeferredInit{
+      seed, [=](const std::string& name, at::Tensor& p, at::Generator& gen) {
+        if (ends_with(name, ".bias")) {  // Linear and LayerNorm biases
+          p.zero_();
+        } else if (ends_with(name, "ln_1.weight") || ends_with(name, "ln_2.weight") ||
+                   ends_with(name, "ln_f.weight")) {
+          p.fill_(1.0);
+        } else if (ends_with(name, "c_proj.weight")) {  // the residual projections
+          p.normal_(0.0, residual_std, gen);
+        } else {  // wte, wpe, c_attn, c_fc
+          p.normal_(0.0, 0.02, gen);
+        }
+      }};
 }
 
 void GptImpl::reset_parameters() {
@@ -177,8 +214,12 @@ at::Tensor GptImpl::forward(const at::Tensor& idx) { return head(hidden(idx)); }
 
 at::Tensor GptImpl::head(const at::Tensor& hidden) {
   // The LM head is the token embedding, transposed: no second parameter. Its backward reads
-  // the table (the gradient for `hidden` is grad @ wte).
-  return dtrain::unit_call(*wte, [&] { return at::linear(hidden, wte->weight); });
+  // the table (the gradient for `hidden` is grad @ wte). Without grad mode (generation)
+  // there is no backward, as with the fused loss that training calls wte with last.
+  const auto reads = c10::GradMode::is_enabled() ? dtrain::ParamsInBackward::kRead
+                                                 : dtrain::ParamsInBackward::kNotRead;
+  return dtrain::unit_call(
+      *wte, [&] { return at::linear(hidden, wte->weight); }, reads);
 }
 
 at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool fused) {

@@ -18,9 +18,13 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "dtrain/deferred_init.h"
 
 namespace gpt2 {
 
@@ -37,6 +41,12 @@ struct GptConfig {
   // LibTorch has one (2.x); false, or on 1.13: the explicit matmul, causal mask, fp32
   // softmax, matmul. The same function either way (tests/model_test.cpp compares them).
   bool fused_attention = true;
+  // Build with deferred parameters on `deferred_device` (dtrain::defer_parameters, each
+  // block right after it is built, so building holds one block at most) and skip
+  // reset_parameters: for FullyShardedDataParallel with FsdpOptions::deferred_init =
+  // param_init(...), or dtrain::init_parameters.
+  bool deferred = false;
+  c10::Device deferred_device = c10::Device(c10::kCPU);
 
   // Throws dtrain::InvalidArgument when a dimension is not positive or dim % heads != 0.
   void validate() const;
@@ -48,12 +58,21 @@ struct GptConfig {
 //   "paper-27m" 6 layers,  6 heads, dim 360, context  256: 27.5M parameters (the size of the
 //               GPT-2 in the custom-FSDP report, 27.32M)
 //   "gpt2"     12 layers, 12 heads, dim 768, context 1024: 124.4M parameters (GPT-2 small)
-// all with the GPT-2 vocabulary (50257). Throws dtrain::InvalidArgument for another name.
+//   "gpt2-medium" 24 layers, 16 heads, dim 1024, context 1024: 354.8M parameters
+//   "gpt2-large"  36 layers, 20 heads, dim 1280, context 1024: 774.0M parameters
+//   "gpt2-xl"     48 layers, 25 heads, dim 1600, context 1024: 1557.6M parameters
+// (the last three: Hugging Face's gpt2-medium, gpt2-large and gpt2-xl shapes), all with the
+// GPT-2 vocabulary (50257). Throws dtrain::InvalidArgument for another name.
 GptConfig preset(const std::string& name);
 std::vector<std::string> preset_names();
 
 // Parameters of a model with `config`, without building it (the tied head counts once).
 int64_t count_parameters(const GptConfig& config);
+
+// GPT-2's initialization (GptImpl::reset_parameters) as a per-parameter init for
+// dtrain::DeferredInit: each parameter from its own generator (seed, name), so the values
+// are the same under every strategy, sharding and world size (dtrain/deferred_init.h).
+dtrain::DeferredInit param_init(const GptConfig& config, uint64_t seed);
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
   // fused: GptConfig::fused_attention.
@@ -91,6 +110,7 @@ TORCH_MODULE(Block);
 struct GptImpl : torch::nn::Module {
   // Builds the model and applies GPT-2's initialization (see reset_parameters), drawing
   // from LibTorch's default generator: seed it (at::manual_seed) for reproducible weights.
+  // With config.deferred the parameters are deferred instead (no memory, no values).
   explicit GptImpl(const GptConfig& config);
 
   // idx: int64 token ids [B, T] with T <= context. Returns logits [B, T, vocab_size] in the

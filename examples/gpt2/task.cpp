@@ -91,16 +91,25 @@ class BertTask : public Task {
 
 }  // namespace
 
-std::unique_ptr<Task> make_task(const Config& c, int64_t token_ids, c10::Device device) {
+int64_t embedding_rows(const Config& c, int64_t token_ids) {
   // BERT needs one row past the tokenizer's ids for [MASK].
   const int64_t needed = c.model_kind == ModelKind::kBert ? token_ids + 1 : token_ids;
   const int64_t vocab = c.vocab > 0 ? c.vocab : needed;
   check(vocab >= needed, fmt::format("--vocab {} is smaller than the {} tokenizer's {} ids{}",
                                      vocab, to_string(c.tokenizer), token_ids,
                                      c.model_kind == ModelKind::kBert ? " plus [MASK]" : ""));
+  return vocab;
+}
+
+std::unique_ptr<Task> make_task(const Config& c, int64_t token_ids, c10::Device device,
+                                bool deferred) {
+  const int64_t vocab = embedding_rows(c, token_ids);
+  check(!deferred || c.model_kind == ModelKind::kGpt2, "deferred parameters: GPT-2 only");
   if (c.model_kind == ModelKind::kGpt2) {
     GptConfig g = c.gpt;
     g.vocab_size = vocab;
+    g.deferred = deferred;
+    g.deferred_device = device;
     return std::make_unique<GptTask>(c.model, g, c.fused_loss(), device);
   }
   bert::BertConfig b = c.bert;

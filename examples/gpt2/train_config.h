@@ -45,6 +45,12 @@ const char* prefetch_flag_name(dtrain::BackwardPrefetch v);
 struct Config {
   // Launch
   StrategyKind strategy = StrategyKind::kSingle;
+  // --strategy auto: the memory planner picks strategy, sharding and shard_group_size once
+  // the world size is known (Trainer::plan_memory); until then `strategy` is provisional.
+  bool strategy_auto = false;
+  // --memory_per_rank in bytes; 0: the default (the device's memory on CUDA; on the CPU
+  // MemAvailable or the cgroup limit, shared among the local ranks).
+  int64_t memory_per_rank = 0;
   int nproc = 1;
   DeviceKind device = DeviceKind::kCpu;
   BackendKind backend = BackendKind::kAuto;

@@ -73,6 +73,7 @@ void Trainer::run() {
   setup_process();
   setup_device_and_comm();
   setup_data();
+  plan_memory();
   setup_model_and_strategy();
   setup_optimizer();
   const Schedule schedule = plan_schedule();
@@ -100,6 +101,8 @@ void Trainer::run() {
        ++epoch) {
     train_epoch(schedule, epoch, run);
   }
+  // Before finish(): under FSDP every rank runs the sample's forwards through the strategy.
+  generate_sample();
   // Every rank, after its last batch: a rank with batches left makes every rank fail here
   // with a message naming the ranks (the split is even today; this keeps it checked).
   strategy_->finish();
@@ -111,7 +114,6 @@ void Trainer::run() {
                   run.last_grad_norm, run.max_rss));
   if (op_profile_ && op_profile_->steps() < c_.profile_steps) write_profile(schedule.total_steps);
   if (!c_.export_path.empty()) export_weights();
-  generate_sample();
   if (comm_ && info_.world_size > 1) comm_->barrier_sync();  // no rank leaves a peer waiting
 }
 

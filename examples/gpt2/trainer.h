@@ -56,6 +56,9 @@ class Trainer {
   void setup_process();
   void setup_device_and_comm();
   void setup_data();
+  // The memory planner (trainer_memory.cpp): resolves --strategy auto, refuses a run whose
+  // estimate exceeds the memory per rank.
+  void plan_memory();
   void setup_model_and_strategy();
   void setup_optimizer();  // and the loss scaler
   Schedule plan_schedule();

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/comm_hook.h"
+#include "dtrain/deferred_init.h"
 #include "dtrain/powersgd.h"
 #include "dtrain/quantization.h"
 #include "dtrain/fsdp.h"
@@ -82,6 +83,10 @@ void Trainer::setup_device_and_comm() {
     if (options.backend == dtrain::Backend::kGloo) options.device = device_;
   }
   comm_options_ = options;
+  // Provisional until plan_memory(): several ranks need the communicator either way.
+  if (c_.strategy_auto) {
+    c_.strategy = info_.world_size > 1 ? StrategyKind::kDdp : StrategyKind::kSingle;
+  }
   if (c_.strategy == StrategyKind::kSingle) {
     check(info_.world_size == 1,
           fmt::format("--strategy single runs one rank, but WORLD_SIZE is {} (drop --nproc, or "
@@ -174,8 +179,19 @@ void Trainer::setup_data() {
 
 void Trainer::setup_model_and_strategy() {
   at::manual_seed(static_cast<uint64_t>(c_.seed));  // identical initial weights on every rank
-  task_ = make_task(c_, token_ids_, device_);
-  say("model: " + task_->describe());
+  // GPT-2 starts from param_init's values under every strategy: each parameter from its own
+  // generator (seed, name). FSDP builds the model deferred and computes only this rank's
+  // shards of them (dtrain/deferred_init.h); --init_from reads whole tensors, so it keeps
+  // the built model.
+  const bool gpt = c_.model_kind == ModelKind::kGpt2;
+  const bool deferred = gpt && c_.strategy == StrategyKind::kFsdp && c_.init_from.empty();
+  task_ = make_task(c_, token_ids_, device_, deferred);
+  std::optional<dtrain::DeferredInit> gpt_init;
+  if (gpt) {
+    gpt_init = param_init(task_->gpt()->config(), static_cast<uint64_t>(c_.seed));
+    if (!deferred) dtrain::init_parameters(*task_->module(), *gpt_init);
+  }
+  say("model: " + task_->describe() + (deferred ? ", deferred initialisation" : ""));
   if (!c_.init_from.empty()) {  // GPT-2 only (flags.cpp)
     Gpt gpt = task_->gpt();
     init_from_hf_safetensors(c_.init_from, gpt);
@@ -231,6 +247,7 @@ void Trainer::setup_model_and_strategy() {
       o.backward_prefetch = c_.prefetch;
       o.forward_prefetch = c_.forward_prefetch;
       o.use_orig_params = true;  // per-parameter views: AdamW's groups (setup_optimizer)
+      if (deferred) o.deferred_init = gpt_init;
       if (c_.precision == Precision::kBf16) o.mixed_precision.param_dtype = at::kBFloat16;
       if (c_.precision == Precision::kFp16) o.mixed_precision.param_dtype = at::kHalf;
       o.mixed_precision.cpu_check = quiet_bf16_check;

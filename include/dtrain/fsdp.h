@@ -67,6 +67,7 @@
 
 #include "dtrain/blas.h"
 #include "dtrain/communicator.h"
+#include "dtrain/deferred_init.h"
 #include "dtrain/quantization.h"
 #include "dtrain/strategy.h"
 
@@ -145,6 +146,15 @@ struct FsdpOptions {
   // Checkpoints are the same either way (optimizer state saved per parameter name). See
   // docs/strategies.md, "Parameter groups".
   bool use_orig_params = false;
+  // Deferred initialisation (dtrain/deferred_init.h). Set: the module's parameters may be
+  // deferred (defer_parameters: no memory), and each rank computes only its shard of each
+  // unit, from each parameter's initial_value (seed and qualified name): the values
+  // init_parameters(module, init) gives single-device or DDP training, for every sharding
+  // strategy and world size, with no rank holding more than its shards plus one parameter.
+  // Frozen parameters (in no unit) get their whole initial value; buffers are broadcast
+  // from rank 0 as usual. Unset: the parameters' current values, rank 0's broadcast; a
+  // deferred parameter is then an InvalidArgument.
+  std::optional<DeferredInit> deferred_init;
   // HYBRID_SHARD: communicators of this rank's shard group (shard over it) and replicate
   // group (all-reduce over it); see make_hybrid_groups. Ignored by other strategies.
   CommunicatorPtr shard_group;

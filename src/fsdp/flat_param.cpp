@@ -45,20 +45,32 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   padded_ = padded_size(std::max<int64_t>(numel_, 1), options_.shard_size);
   if (options_.pool != nullptr && options_.shard_size > 1) options_.pool->add_user(full_bytes());
   const auto device = params_.empty() ? c10::Device(c10::kCPU) : params_.front().device();
-  at::Tensor flat32 = at::zeros({padded_}, at::TensorOptions().dtype(at::kFloat).device(device));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    flat32.narrow(0, offsets_[i], params_[i].numel()).copy_(params_[i].reshape({-1}));
-  }
   shares_memory_ = options_.shard_size == 1 && options_.param_dtype == at::kFloat;
-  if (shares_memory_) {
-    // The master copy and the module's parameters are the same memory: the optimizer's
-    // update needs no copy, and keeping two would cost more than DataParallel.
-    full_ = flat32;
-    shard_ = at::empty({0}, flat32.options());
-    shard_.set_(flat32.storage(), 0, {padded_}, {1});
+  if (options_.init != nullptr && !shares_memory_) {
+    // Only this rank's shard is ever computed. full is not touched before its first gather,
+    // so no memory is faulted in for it.
+    shard_ = initial_shard(device);
+    full_ = at::empty({padded_}, shard_.options().dtype(options_.param_dtype));
   } else {
-    shard_ = flat32.narrow(0, shard_begin(), shard_numel()).clone();
-    full_ = flat32.to(options_.param_dtype).clone();  // a storage of its own
+    at::Tensor flat32;
+    if (options_.init != nullptr) {
+      flat32 = initial_shard(device);  // one shard: the whole unit
+    } else {
+      flat32 = at::zeros({padded_}, at::TensorOptions().dtype(at::kFloat).device(device));
+      for (size_t i = 0; i < params_.size(); ++i) {
+        flat32.narrow(0, offsets_[i], params_[i].numel()).copy_(params_[i].reshape({-1}));
+      }
+    }
+    if (shares_memory_) {
+      // The master copy and the module's parameters are the same memory: the optimizer's
+      // update needs no copy, and keeping two would cost more than DataParallel.
+      full_ = flat32;
+      shard_ = at::empty({0}, flat32.options());
+      shard_.set_(flat32.storage(), 0, {padded_}, {1});
+    } else {
+      shard_ = flat32.narrow(0, shard_begin(), shard_numel()).clone();
+      full_ = flat32.to(options_.param_dtype).clone();  // a storage of its own
+    }
   }
   shard_.requires_grad_(true);
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -72,6 +84,22 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
       views_.back().requires_grad_(true);
     }
   }
+  // The views exist (a view of a released storage could not be made): now free full until
+  // its first gather, as a resharded unit is.
+  if (options_.init != nullptr) release();
+}
+
+at::Tensor FlatParam::initial_shard(c10::Device device) const {
+  at::Tensor shard32 =
+      at::zeros({shard_numel()}, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const ShardRange r = shard_range(i);
+    if (r.end == r.begin) continue;  // another rank's: never computed here
+    const at::Tensor value = initial_value(*options_.init, names_[i], params_[i].sizes());
+    shard32.narrow(0, r.shard_offset, r.end - r.begin)
+        .copy_(value.reshape({-1}).narrow(0, r.begin, r.end - r.begin));
+  }
+  return shard32;
 }
 
 const at::Tensor& FlatParam::shard_view(size_t i) const {

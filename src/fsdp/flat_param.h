@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/deferred_init.h"
 #include "fsdp/buffer_pool.h"
 
 namespace dtrain::fsdp {
@@ -41,12 +42,19 @@ struct FlatParamOptions {
   // Where full's memory comes from and goes between uses (buffer_pool.h); null: the
   // storage's allocator. Must outlive the FlatParam.
   BufferPool* pool = nullptr;
+  // Deferred initialisation (dtrain/deferred_init.h): the shard's values are computed from
+  // each parameter's initial_value (only the parameters it overlaps, one at a time), the
+  // parameters' own memory (deferred or not) is neither read nor kept, and full starts
+  // released. Null: the parameters' current values. Must outlive the constructor call.
+  const DeferredInit* init = nullptr;
 };
 
 class FlatParam {
  public:
   // Flattens `params` (in this order) and makes each of them a view into full(). The
-  // parameters' current values become the shard's (fp32) and full's contents.
+  // parameters' current values become the shard's (fp32) and full's contents; with
+  // options.init, their initial values (by `names`) become the shard's, and full is released
+  // (sharded) or filled from the shard when it is first gathered.
   FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
             FlatParamOptions options);
 
@@ -132,6 +140,8 @@ class FlatParam {
  private:
   // views_[i]'s .grad is its part of shard()'s .grad (shares the memory at its offset).
   bool view_shares_grad(size_t i) const;
+  // options_.init: this rank's fp32 shard from the parameters' initial values.
+  at::Tensor initial_shard(c10::Device device) const;
   FlatParamOptions options_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;

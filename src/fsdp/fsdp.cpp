@@ -100,10 +100,22 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
   so.keep_gathered_between_calls = options_.keep_gathered_between_calls;
   schedule_ = std::make_unique<fsdp::Schedule>(so, std::move(comms));
 
+  const auto& deferred = options_.deferred_init;
+  if (deferred && !deferred->init) {
+    throw InvalidArgument(ctx("FullyShardedDataParallel()"),
+                          "FsdpOptions::deferred_init has no init function");
+  }
   std::vector<std::pair<std::string, at::Tensor>> named;
-  std::vector<at::Tensor> everything;
+  std::vector<at::Tensor> everything;  // what rank 0 broadcasts
   for (const auto& item : module_->named_parameters(true)) {
     named.emplace_back(item.key(), item.value());
+    if (deferred) continue;  // every rank computes the same initial values
+    if (is_deferred(item.value())) {
+      throw InvalidArgument(ctx("FullyShardedDataParallel()"),
+                            "parameter '" + item.key() +
+                                "' is deferred (dtrain::defer_parameters: no memory); set "
+                                "FsdpOptions::deferred_init to materialise it");
+    }
     everything.push_back(item.value());
   }
   for (const auto& item : module_->named_buffers(true)) {
@@ -112,6 +124,12 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
   }
   verify_same_model(*comm_, named, "FullyShardedDataParallel()");
   broadcast_from_rank0(*comm_, everything);
+  if (deferred) {
+    // Frozen parameters belong to no unit: each rank keeps the whole initial value.
+    for (const auto& item : module_->named_parameters(true)) {
+      if (!item.value().requires_grad()) init_parameter(item.key(), item.value(), *deferred);
+    }
+  }
   build_units();
   cast_buffers();
 }
@@ -140,7 +158,8 @@ void FullyShardedDataParallel::Impl::build_units() {
     fsdp::FlatParam flat(
         std::move(plan.params), std::move(plan.param_names),
         fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_, options_.use_orig_params,
-                               &buffer_pool_});
+                               &buffer_pool_,
+                               options_.deferred_init ? &*options_.deferred_init : nullptr});
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }
   sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules);

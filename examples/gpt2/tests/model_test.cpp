@@ -39,10 +39,52 @@ TEST(GptModel, PresetSizes) {
   const int64_t tiny = count_parameters(preset("tiny"));
   EXPECT_NEAR(static_cast<double>(tiny), 16.1e6, 0.1e6);
   EXPECT_NEAR(static_cast<double>(count_parameters(preset("paper-27m"))), 27.3e6, 0.3e6);
+  // Hugging Face's gpt2-medium, gpt2-large and gpt2-xl (tied head counted once).
+  EXPECT_EQ(count_parameters(preset("gpt2-medium")), 354823168);
+  EXPECT_EQ(count_parameters(preset("gpt2-large")), 774030080);
+  EXPECT_EQ(count_parameters(preset("gpt2-xl")), 1557611200);
+  for (const char* name : {"gpt2-medium", "gpt2-large", "gpt2-xl"}) {
+    const GptConfig c = preset(name);
+    EXPECT_EQ(c.dim % c.heads, 0) << name;
+    EXPECT_EQ(c.dim / c.heads, 64) << name;  // HF's head size
+    EXPECT_EQ(c.context, 1024) << name;
+  }
   at::manual_seed(0);
   Gpt model(preset("tiny"));
   EXPECT_EQ(numel_of_parameters(*model), tiny);
   EXPECT_THROW(preset("huge"), std::exception);
+}
+
+// Deferred: built without keeping any parameter's memory; param_init then gives the values
+// GPT-2's initialization prescribes, the same for a deferred and a built model.
+TEST(GptModel, DeferredBuildAndPerParameterInit) {
+  GptConfig deferred = small();
+  deferred.deferred = true;
+  Gpt lazy(deferred);
+  for (const auto& item : lazy->named_parameters()) {
+    EXPECT_TRUE(dtrain::is_deferred(item.value())) << item.key();
+  }
+  at::manual_seed(3);
+  Gpt built(small());
+  const dtrain::DeferredInit init = param_init(small(), 1234);
+  dtrain::init_parameters(*lazy, init);
+  dtrain::init_parameters(*built, init);
+  auto want = built->named_parameters();
+  for (const auto& item : lazy->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), want[item.key()])) << item.key();
+  }
+  // GPT-2's values: LayerNorm 1/0, biases 0, residual projections narrower than the others.
+  EXPECT_TRUE(at::equal(lazy->ln_f->weight, at::ones_like(lazy->ln_f->weight)));
+  EXPECT_EQ(lazy->blocks[1]->mlp->c_fc->bias.abs().max().item<float>(), 0.0f);
+  const double proj = lazy->blocks[0]->attn->c_proj->weight.std().item<double>();
+  const double attn = lazy->blocks[0]->attn->c_attn->weight.std().item<double>();
+  EXPECT_NEAR(attn, 0.02, 0.004);
+  EXPECT_NEAR(proj, 0.02 / std::sqrt(4.0), 0.003);
+  // Another seed, other values; each parameter its own stream.
+  dtrain::init_parameters(*built, param_init(small(), 1235));
+  EXPECT_FALSE(at::equal(built->wte->weight, lazy->wte->weight));
+  EXPECT_FALSE(at::equal(lazy->blocks[0]->attn->c_attn->weight.flatten().narrow(0, 0, 64),
+                         lazy->blocks[1]->attn->c_attn->weight.flatten().narrow(0, 0, 64)));
 }
 
 TEST(GptModel, HeadIsTiedToTokenEmbedding) {

@@ -803,8 +803,9 @@ TEST(TrainerErrors, BertRefusesGpt2WeightFiles) {
   }
   RunResult r = run_trainer("bad_model", with(common_args(), {"--model=bert-base"}));
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.output.find("--model must be a GPT-2 preset (tiny, paper-27m, gpt2) or a BERT "
-                          "preset (bert-tiny, bert), got 'bert-base'"),
+  EXPECT_NE(r.output.find("--model must be a GPT-2 preset (tiny, paper-27m, gpt2, gpt2-medium, "
+                          "gpt2-large, gpt2-xl) or a BERT preset (bert-tiny, bert), got "
+                          "'bert-base'"),
             std::string::npos)
       << r.output;
 }
@@ -918,6 +919,102 @@ TEST_F(BertTrainerTest, Bf16UnderDdpAndFsdpStaysClose) {
       run_trainer("bert_fsdp_bf16",
                   bert_args({"--strategy=fsdp", "--nproc=2", "--batch=2", "--precision=bf16"}));
   expect_same_curve(*single_, fsdp, kBf16VsFp32Tolerance);
+}
+
+// ---- The memory planner (docs/strategies.md, "Memory per rank") ----
+
+// 4 layers of dim 256 (3.2M parameters) over the byte vocabulary: at 2 ranks the planner
+// estimates about 0.315 GiB per rank for ddp, 0.294 for fsdp grad_op, 0.288 for full (256 MiB
+// of runtime, 5 MiB of activations, the rest model state), so a budget of 0.30 GiB rules
+// DDP out and lets FSDP in.
+std::vector<std::string> planner_args(std::vector<std::string> more) {
+  return with(with(common_args(), {"--layers=4", "--heads=4", "--dim=256"}), more);
+}
+
+// A run that cannot fit is refused before its model is built, with the estimate, the
+// memory available and the strategies that would fit.
+TEST(TrainerMemory, TooLittleMemoryPerRankIsRefusedUpFront) {
+  RunResult r = run_trainer("memory_ddp_refused", planner_args({"--strategy=ddp", "--nproc=2",
+                                                                "--batch=2",
+                                                                "--memory_per_rank=0.30"}));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(r.steps.empty()) << r.output;
+  EXPECT_EQ(r.output.find("strategy: ddp on"), std::string::npos) << "built: " << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex("memory: --strategy ddp at world size 2 needs an estimated 0\\.3[0-9] "
+                           "GiB \\(parameters [0-9.]+, gradients [0-9.]+, optimizer [0-9.]+, "
+                           "buffers [0-9.]+, activations [0-9.]+, runtime 0\\.25 GiB\\) per "
+                           "rank, more than the 0\\.30 GiB available per rank "
+                           "\\(--memory_per_rank\\)\\. Strategies that fit at world size 2: "
+                           "--strategy fsdp --sharding grad_op \\(0\\.2[0-9] GiB\\); --strategy "
+                           "fsdp --sharding full \\(0\\.2[0-9] GiB\\)")))
+      << r.output;
+  // Not even the runtime fits: no number of ranks helps, and the message says so.
+  RunResult tiny = run_trainer("memory_nothing_fits",
+                               with(common_args(), {"--strategy=single", "--batch=4",
+                                                    "--memory_per_rank=0.1"}));
+  EXPECT_EQ(tiny.exit_code, 1);
+  EXPECT_NE(tiny.output.find("No strategy fits at any world size: activations and the runtime "
+                             "alone need 0.25 GiB per rank"),
+            std::string::npos)
+      << tiny.output;
+  RunResult bad = run_trainer("memory_bad_flag", with(common_args(), {"--memory_per_rank=-1"}));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.output.find("--memory_per_rank must be a non-negative number of GiB"),
+            std::string::npos)
+      << bad.output;
+}
+
+// --strategy auto runs the first candidate that fits, prints it with every estimate, and
+// trains as that strategy does (here FSDP, which matches single-device training).
+TEST(TrainerMemory, AutoPicksTheLeastShardingThatFitsAndTrainsLikeIt) {
+  RunResult single = run_trainer("memory_single", planner_args({"--strategy=single", "--batch=4"}));
+  RunResult chosen = run_trainer("memory_auto", planner_args({"--strategy=auto", "--nproc=2",
+                                                               "--batch=2",
+                                                               "--memory_per_rank=0.30"}));
+  EXPECT_NE(chosen.output.find("memory: --strategy auto chose --strategy fsdp --sharding grad_op "
+                               "(0.30 GiB per rank available: --memory_per_rank); estimates per "
+                               "rank:\n  --strategy ddp: 0.3"),
+            std::string::npos)
+      << chosen.output;
+  EXPECT_NE(chosen.output.find("strategy: fsdp on 2 rank(s)"), std::string::npos)
+      << chosen.output;
+  EXPECT_NE(chosen.output.find("sharding grad_op"), std::string::npos) << chosen.output;
+  expect_same_curve(single, chosen, kFp32Tolerance);
+  // With room for DDP, DDP; at one rank, single (the default budget: this machine's memory).
+  RunResult ddp = run_trainer("memory_auto_ddp",
+                              planner_args({"--strategy=auto", "--nproc=2", "--batch=2",
+                                            "--steps=1", "--memory_per_rank=64"}));
+  EXPECT_NE(ddp.output.find("memory: --strategy auto chose --strategy ddp "), std::string::npos)
+      << ddp.output;
+  EXPECT_NE(ddp.output.find("strategy: ddp on 2 rank(s)"), std::string::npos) << ddp.output;
+  RunResult one = run_trainer("memory_auto_single",
+                              with(common_args(), {"--strategy=auto", "--steps=1"}));
+  EXPECT_NE(one.output.find("memory: --strategy auto chose --strategy single ("),
+            std::string::npos)
+      << one.output;
+  EXPECT_NE(one.output.find("shared by 1 local rank(s)"), std::string::npos) << one.output;
+}
+
+// The sample under FSDP: every rank runs its forwards through the strategy (no gathered
+// copy on rank 0), rank 0 picks the tokens. Greedy, from the same weights as single-device
+// training up to fp32 rounding: the same text.
+TEST_F(TrainerTest, FsdpSamplesUnitByUnitAsSingleDoes) {
+  const std::vector<std::string> sample = {"--sample_tokens=12", "--top_k=0", "--prompt=the "};
+  RunResult single =
+      run_trainer("single_sample", with(common_args(), with({"--strategy=single", "--batch=4"},
+                                                             sample)));
+  RunResult fsdp = run_trainer(
+      "fsdp_sample",
+      with(common_args(), with({"--strategy=fsdp", "--nproc=2", "--batch=2"}, sample)));
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  ASSERT_EQ(fsdp.exit_code, 0) << fsdp.output;
+  std::smatch a, b;
+  const std::regex line("sample \\(greedy\\): [^\n]*");
+  ASSERT_TRUE(std::regex_search(single.output, a, line)) << single.output;
+  ASSERT_TRUE(std::regex_search(fsdp.output, b, line)) << fsdp.output;
+  EXPECT_EQ(b.str(), a.str());
+  EXPECT_GT(a.str().size(), std::string("sample (greedy): the ").size());
 }
 
 }  // namespace
