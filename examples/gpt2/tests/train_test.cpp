@@ -47,7 +47,8 @@ std::string temp_path(const std::string& name) {
 // Numeric fields of one JSON line of the trainer (null as NaN; other values skipped).
 std::map<std::string, double> numbers_of(const std::string& line) {
   std::map<std::string, double> out;
-  for (const auto& [key, value] : dtrain::Json::parse(line).as_object()) {
+  const dtrain::Json json = dtrain::Json::parse(line);  // kept: the loop reads into it
+  for (const auto& [key, value] : json.as_object()) {
     if (value.is_number()) out[key] = value.as_double();
     if (value.type() == dtrain::Json::Type::kNull) out[key] = std::nan("");
   }
