@@ -46,6 +46,29 @@ struct Pass {
   at::Tensor grad_logits;  // [N, V] fp32, d loss / d logits times N (kHiddenNowWeightLater)
 };
 
+// The chunk's summed loss (double), its logits z turned into their softmax in place. One exp
+// per logit: the softmax in place (row max, exp and sum, scale, each row while it is in
+// cache; every element is read before it is written), and the loss from it as -log p[target].
+// A second buffer for p would cost its page faults and 128 MiB. Where p[target] underflows
+// (the target's logit more than ~87 below the row's largest), that row's loss is computed
+// exactly as logsumexp - logit, from its logits formed again by `fp32_logits_of_rows` (rare:
+// a small matmul of those rows only).
+template <typename LogitsOfRows>
+at::Tensor softmax_in_place_and_loss(at::Tensor& z, const at::Tensor& tc,
+                                     const LogitsOfRows& fp32_logits_of_rows) {
+  at::_softmax_out(z, z, 1, false);
+  at::Tensor pt = z.gather(1, tc).squeeze(1);
+  at::Tensor row_loss = pt.clamp_min(kTiny).log_().neg_();
+  at::Tensor tiny_rows = (pt < kTiny).nonzero().squeeze(1);
+  if (tiny_rows.numel() > 0) {
+    at::Tensor zr = fp32_logits_of_rows(tiny_rows);
+    row_loss.index_copy_(
+        0, tiny_rows,
+        at::logsumexp(zr, 1) - zr.gather(1, tc.index_select(0, tiny_rows)).squeeze(1));
+  }
+  return row_loss.sum(at::kDouble);
+}
+
 // run_chunks with every matmul in `mm`: autocast's bf16/fp16 for fp32 inputs, or low-precision
 // inputs' own dtype on a GPU. There an fp32 matmul runs without tensor cores (LibTorch leaves
 // TF32 off), several times slower than bf16, and these three are the largest of a GPT-2
@@ -74,17 +97,9 @@ Pass run_chunks_cast(const at::Tensor& h, const at::Tensor& w, const at::Tensor&
     at::Tensor tc = t.narrow(0, r0, c).unsqueeze(1);
     at::Tensor z = logits_buf.narrow(0, keep_logit_grads ? r0 : 0, c);
     z.copy_(at::mm(hc, wm_t));
-    at::_softmax_out(z, z, 1, false);
-    at::Tensor pt = z.gather(1, tc).squeeze(1);
-    at::Tensor row_loss = pt.clamp_min(kTiny).log_().neg_();
-    at::Tensor tiny_rows = (pt < kTiny).nonzero().squeeze(1);
-    if (tiny_rows.numel() > 0) {  // as in run_chunks: the exact loss of underflowed rows
-      at::Tensor zr = at::mm(hc.index_select(0, tiny_rows), wm_t).to(at::kFloat);
-      row_loss.index_copy_(
-          0, tiny_rows,
-          at::logsumexp(zr, 1) - zr.gather(1, tc.index_select(0, tiny_rows)).squeeze(1));
-    }
-    loss_sum.add_(row_loss.sum(at::kDouble));
+    loss_sum.add_(softmax_in_place_and_loss(z, tc, [&](const at::Tensor& rows_idx) {
+      return at::mm(hc.index_select(0, rows_idx), wm_t).to(at::kFloat);
+    }));
     if (grads == Grads::kNone) continue;
     z.scatter_add_(1, tc, at::full({c, 1}, -1.0f, f32));
     if (keep_logit_grads) {  // the weight's gradient is formed from z in backward
@@ -145,28 +160,14 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
       }
     };
     logits_of(hc, z);
-    // One exp per logit: the softmax in place (row max, exp and sum, scale, each row while it
-    // is in cache; every element is read before it is written), and the loss from it as
-    // -log p[target]. A second buffer for p would cost its page faults and 128 MiB.
-    at::_softmax_out(z, z, 1, false);
-    at::Tensor p = z;
-    at::Tensor pt = p.gather(1, tc).squeeze(1);
-    at::Tensor row_loss = pt.clamp_min(kTiny).log_().neg_();
-    // Where p[target] underflows (the target's logit more than ~87 below the row's largest),
-    // that row's loss is computed exactly as logsumexp - logit, from its logits formed again
-    // (rare: a small matmul of those rows only).
-    at::Tensor tiny_rows = (pt < kTiny).nonzero().squeeze(1);
-    if (tiny_rows.numel() > 0) {
-      at::Tensor zr = at::empty({tiny_rows.numel(), V}, f32);
-      logits_of(hc.index_select(0, tiny_rows), zr);
-      row_loss.index_copy_(
-          0, tiny_rows,
-          at::logsumexp(zr, 1) - zr.gather(1, tc.index_select(0, tiny_rows)).squeeze(1));
-    }
-    loss_sum.add_(row_loss.sum(at::kDouble));
+    loss_sum.add_(softmax_in_place_and_loss(z, tc, [&](const at::Tensor& rows_idx) {
+      at::Tensor zr = at::empty({rows_idx.numel(), V}, f32);
+      logits_of(hc.index_select(0, rows_idx), zr);
+      return zr;
+    }));
     if (grads == Grads::kNone) continue;
     // d(sum of the chunk's losses)/d logits = softmax - one_hot(target), in place.
-    at::Tensor dz = p;
+    at::Tensor dz = z;
     dz.scatter_add_(1, tc, at::full({c, 1}, -1.0f, f32));
     at::Tensor gh = out.grad_hidden.narrow(0, r0, c);
     if (fp32) {
