@@ -6,8 +6,10 @@
 # examples/gpt2/op_profile.h; peer_pytorch_gpt2.py --profile_out, torch.autograd.profiler).
 #   PyTorch single process, dtrain single with --loss standard (the same model code as
 #   PyTorch's script) and with its default fused LM-head loss; with DDP=1 also PyTorch DDP
-#   and dtrain ddp
-#   (Gloo, 2 ranks; rank 0 is profiled).
+#   and dtrain ddp (fused loss), with FSDP=1 also PyTorch FSDP1 (full shard, a unit per block)
+#   and dtrain fsdp with --loss standard (the like-for-like pair)
+#   (Gloo, 2 ranks; rank 0 is profiled). PyTorch 2.x runs F.scaled_dot_product_attention, as
+#   dtrain does on LibTorch 2.x (benchmarks/peer-comparison.sh's like-for-like setting).
 # Output under ${OUT:-report/bench}: profile_<run>.json per run, their metrics .jsonl, and
 # profile.md: per run pair, the top ${TOP:-25} operators by self time (the larger of the two
 # sides), per step, then the sum of self times of all recorded operators, the measured step
@@ -33,8 +35,12 @@ fi
 peer_same_blas_kernel
 dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1
   --profile_steps "$profile_steps")
+attention=explicit
+if /usr/bin/python3 -c 'import sys, torch.nn.functional as F; sys.exit(not hasattr(F, "scaled_dot_product_attention"))'; then
+  attention=sdpa
+fi
 py() { /usr/bin/python3 "$root/benchmarks/peer_pytorch_gpt2.py" --batch 8 --steps "$steps" \
-  --profile_steps "$profile_steps" "$@"; }
+  --attention "$attention" --profile_steps "$profile_steps" "$@"; }
 py --nproc 1 --metrics_out "$out/profile_torch_single.jsonl" \
   --profile_out "$out/profile_torch_single.json"
 "$train" "${dt[@]}" --strategy single --loss standard \
@@ -50,6 +56,14 @@ if [ "${DDP:-0}" = 1 ]; then
   "$train" "${dt[@]}" --strategy ddp --nproc 2 --metrics_out "$out/profile_dtrain_ddp.jsonl" \
     --profile_out "$out/profile_dtrain_ddp.json" >/dev/null
   pairs+=("DDP, 2 ranks (rank 0):torch_ddp:dtrain_ddp")
+fi
+if [ "${FSDP:-0}" = 1 ]; then
+  py --nproc 2 --strategy fsdp --port 29643 --metrics_out "$out/profile_torch_fsdp.jsonl" \
+    --profile_out "$out/profile_torch_fsdp.json"
+  "$train" "${dt[@]}" --strategy fsdp --nproc 2 --loss standard \
+    --metrics_out "$out/profile_dtrain_fsdp_std.jsonl" \
+    --profile_out "$out/profile_dtrain_fsdp_std.json" >/dev/null
+  pairs+=("FSDP, 2 ranks (rank 0), dtrain with the same model code (--loss standard):torch_fsdp:dtrain_fsdp_std")
 fi
 /usr/bin/python3 - "$out" "$top" "${pairs[@]}" <<'PY' | tee "$out/profile.md"
 import json, sys

@@ -57,6 +57,8 @@ for leg in "${legs[@]}"; do
   start=$(date +%s)
   echo "ci-legs: leg $leg started $(date -u +%H:%M:%S)" >&2
   "$root/scripts/chroot.sh" create "$leg"
+  made=$(date +%s)
   "leg_$leg"
-  echo "ci-legs: leg $leg passed in $(($(date +%s) - start)) s (root creation included)" >&2
+  echo "ci-legs: leg $leg passed in $(($(date +%s) - start)) s (root creation or update" \
+    "$((made - start)) s, build and tests $(($(date +%s) - made)) s)" >&2
 done
