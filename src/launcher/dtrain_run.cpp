@@ -17,8 +17,8 @@
 
 #include "dtrain/blas.h"
 #include "dtrain/launcher.h"
-#include "launcher/elastic.h"
 #include "dtrain_cli/flags.h"
+#include "launcher/elastic.h"
 
 ABSL_FLAG(int, nproc_per_node, 1, "ranks on this node");
 ABSL_FLAG(std::string, nnodes, "1",
@@ -158,7 +158,8 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   if (kernel != "auto" && kernel != "keep") {
     throw std::invalid_argument("--blas_kernel expects auto or keep, got '" + kernel + "'");
   }
-  blas.policy = kernel == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
+  blas.policy =
+      kernel == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
   blas.library = absl::GetFlag(FLAGS_blas_library);
   blas.info_only = absl::GetFlag(FLAGS_blas_info);
   if (blas.info_only) return o;
@@ -181,7 +182,8 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   };
   elastic.last_call = duration(absl::GetFlag(FLAGS_rdzv_last_call_s), "rdzv_last_call_s");
   elastic.join_timeout = duration(absl::GetFlag(FLAGS_rdzv_timeout_s), "rdzv_timeout_s");
-  elastic.heartbeat_timeout = duration(absl::GetFlag(FLAGS_heartbeat_timeout_s), "heartbeat_timeout_s");
+  elastic.heartbeat_timeout =
+      duration(absl::GetFlag(FLAGS_heartbeat_timeout_s), "heartbeat_timeout_s");
   elastic.max_host_failures = absl::GetFlag(FLAGS_max_host_failures);
   elastic.rdzv_id = absl::GetFlag(FLAGS_rdzv_id);
   if (elastic.rdzv_id.empty() || elastic.rdzv_id.find('/') != std::string::npos) {

@@ -188,9 +188,9 @@ class Agent {
     try {
       if (g.received != 0) {
         if (!store_lost_) {
-          end_generation(m.round, "signal", host,
-                         fmt::format("the agent of host {} received {}", host,
-                                     signal_name(g.received)));
+          end_generation(
+              m.round, "signal", host,
+              fmt::format("the agent of host {} received {}", host, signal_name(g.received)));
         }
         fmt::print(stderr, "{}: ranks stopped after {}\n", o_.node.name, signal_name(g.received));
         return g.result;
@@ -267,13 +267,19 @@ void validate(const ElasticOptions& o) {
     throw std::invalid_argument(fmt::format(
         "host id '{}': expected 1 to 255 letters, digits, '.', '-', '_' or ':'", o.host_id));
   }
-  if (o.max_host_failures < 1) throw std::invalid_argument("--max_host_failures must be at least 1");
+  if (o.max_host_failures < 1)
+    throw std::invalid_argument("--max_host_failures must be at least 1");
   if (o.heartbeat_interval.count() <= 0 || o.heartbeat_timeout <= 2 * o.heartbeat_interval) {
     throw std::invalid_argument(
         "the heartbeat timeout must exceed twice the heartbeat interval (1 s)");
   }
-  if (o.last_call.count() < 0) throw std::invalid_argument("--rdzv_last_call_s must not be negative");
+  if (o.last_call.count() < 0)
+    throw std::invalid_argument("--rdzv_last_call_s must not be negative");
   if (o.join_timeout.count() <= 0) throw std::invalid_argument("--rdzv_timeout_s must be positive");
+  // The ranks' token is the job's plus "/generation/N"; the store takes 1024 bytes at most.
+  if (o.token.size() > 1000) {
+    throw std::invalid_argument("DTRAIN_STORE_TOKEN: at most 1000 bytes for an elastic job");
+  }
 }
 
 int run_elastic(const ElasticOptions& options, std::shared_ptr<Store> store) {

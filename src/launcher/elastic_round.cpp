@@ -50,8 +50,8 @@ std::vector<AgentInfo> Rendezvous::read_agents(int round, int64_t count) {
   std::vector<AgentInfo> out;
   for (int s = 1; s <= count; ++s) {
     try {
-      out.push_back(
-          parse_agent(s, store_->get_string(key(round, fmt::format("agent/{}", s)), kPeerKeyTimeout)));
+      out.push_back(parse_agent(
+          s, store_->get_string(key(round, fmt::format("agent/{}", s)), kPeerKeyTimeout)));
     } catch (const TimeoutError&) {
       // An agent that died between joining and describing itself: not a member.
     }
@@ -80,8 +80,8 @@ void Rendezvous::count_failures(int previous, const std::vector<AgentInfo>& join
         slot, store_->get_string(key(previous, fmt::format("agent/{}", slot)), kPeerKeyTimeout));
     if (here.count(a.host) == 0) {
       const int64_t n = store_->add("host/" + a.host + "/failures", 1);
-      fmt::print(stderr, "{}: host {} was lost from generation {} (failure {} of {})\n", o_.node.name,
-                 a.host, previous, n, o_.max_host_failures);
+      fmt::print(stderr, "{}: host {} was lost from generation {} (failure {} of {})\n",
+                 o_.node.name, a.host, previous, n, o_.max_host_failures);
       here.insert(a.host);  // one count per host, however many agents it ran
       lost = true;
     }
@@ -125,8 +125,8 @@ std::optional<Membership> Rendezvous::read_membership(int round, int slot) {
       ms.me = ms.members.size();
       in = true;
     }
-    ms.members.push_back(
-        parse_agent(s, store_->get_string(key(round, fmt::format("agent/{}", s)), kPeerKeyTimeout)));
+    ms.members.push_back(parse_agent(
+        s, store_->get_string(key(round, fmt::format("agent/{}", s)), kPeerKeyTimeout)));
   }
   if (!in) return std::nullopt;
   return ms;
@@ -193,9 +193,10 @@ Rendezvous::Result Rendezvous::join(int round) {
         throw std::runtime_error(fmt::format(
             "rendezvous: round {} did not close within {} s ({} agent(s) joined, at least {} "
             "needed{})",
-            round, std::chrono::duration_cast<std::chrono::seconds>(o_.join_timeout).count(),
-            count, o_.min_nodes, previous_ended ? "" : "; generation " + std::to_string(round - 1) +
-                                                          " is still running"));
+            round, std::chrono::duration_cast<std::chrono::seconds>(o_.join_timeout).count(), count,
+            o_.min_nodes,
+            previous_ended ? ""
+                           : "; generation " + std::to_string(round - 1) + " is still running"));
       }
       std::this_thread::sleep_for(kPoll);
     }

@@ -207,7 +207,6 @@ std::vector<std::string> self_command(int argc, char** argv) {
 GenerationOutcome run_generation(const NodeOptions& o, const std::string& supervisor,
                                  const GenerationSpec& spec, bool null_stdin,
                                  const std::function<bool()>& stop_requested) {
-
   std::vector<Child> children;
   for (int l = 0; l < o.nproc_per_node; ++l) {
     Child c;
@@ -299,7 +298,8 @@ GenerationOutcome run_generation(const NodeOptions& o, const std::string& superv
         result = exit_status_for(c.status);
         if (result == 0) result = 1;
         rank_failed = true;
-        failure = fmt::format("rank {} (local rank {}) {}", c.rank, c.local_rank, describe(c.status));
+        failure =
+            fmt::format("rank {} (local rank {}) {}", c.rank, c.local_rank, describe(c.status));
         stop_others();
       }
     }
