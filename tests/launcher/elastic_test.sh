@@ -38,7 +38,7 @@ agent() {
   port="$2"
   shift 2
   DIR="$tmp/d" HOSTTAG="$tag" "$run" --nnodes 1:2 --nproc_per_node 2 --master_port "$port" \
-    --host_id "$tag" --rdzv_last_call_s 2 --heartbeat_timeout_s 4 --grace_s 2 "$@" \
+    --host_id "$tag" --rdzv_last_call_s 2 --heartbeat_timeout_s 6 --grace_s 2 "$@" \
     -- sh -c "$rank" 2>"$tmp/$tag.err" &
   pid=$!
   agents="$agents $pid"
