@@ -11,7 +11,12 @@ train="$2"
 tmp="$(mktemp -d)"
 pa=""
 pb=""
-trap 'for p in $pa $pb; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$tmp"' EXIT
+# shellcheck disable=SC2317  # called by the trap
+cleanup() {
+  for p in $pa $pb; do kill -KILL "$p" 2>/dev/null; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
 fail() {
   echo "FAIL: $*" >&2
   for f in "$tmp"/*.err; do echo "--- $f:" >&2; tail -n 40 "$f" >&2; done

@@ -11,6 +11,7 @@ set -u
 run="$1"
 tmp="$(mktemp -d)"
 agents=""
+# shellcheck disable=SC2317  # called by the trap
 cleanup() {
   for p in $agents; do kill -CONT "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
   rm -rf "$tmp"
@@ -44,12 +45,21 @@ agent() {
   agents="$agents $pid"
 }
 
+# count_gen GEN: how many rank records generation GEN has.
+count_gen() {
+  c=0
+  for f in "$tmp/d/env.$1".*; do
+    case "$f" in *.tmp) ;; *) [ -e "$f" ] && c=$((c + 1)) ;; esac
+  done
+  echo "$c"
+}
+
 # wait_gen SECONDS GEN WORLD: true once generation GEN's WORLD rank files exist, each saying
 # WORLD_SIZE WORLD, with ranks 0..WORLD-1 (no other rank file of GEN).
 wait_gen() {
   i=0
   while [ "$i" -lt $(($1 * 10)) ]; do
-    n=$(ls "$tmp/d" | grep -c "^env\.$2\.[0-9]*$")
+    n=$(count_gen "$2")
     [ "$n" -ge "$3" ] && break
     sleep 0.1
     i=$((i + 1))
@@ -121,7 +131,9 @@ wait "$pb" 2>/dev/null
 if wait_gen 30 1 2; then
   took=$(($(date +%s) - start))
   [ "$took" -le 30 ] || fail "generation 1 started $took s after host b was killed, want <= 30"
-  [ "$(field 1 0 6)" = a ] && [ "$(field 1 1 6)" = a ] || fail "generation 1 is not host a's"
+  if [ "$(field 1 0 6)" != a ] || [ "$(field 1 1 6)" != a ]; then
+    fail "generation 1 is not host a's"
+  fi
   [ "$(field 1 0 4)" = 1 ] || fail "generation 1: restart count $(field 1 0 4), want 1 (a lost host)"
   [ "$(field 1 0 8)" != "$(field 0 0 8)" ] || fail "generation 1 reuses generation 0's store port"
 else
@@ -144,7 +156,7 @@ kill -CONT "$pc"
 wait_gen 40 4 4 || fail "host c was not taken back at generation 4 (world 4)"
 for r in 0 1; do [ "$(field 3 $r 6)" = a ] || fail "straggler c got rank $r of generation 3"; done
 [ "$(field 4 0 4)" = 2 ] || fail "generation 4: restart count $(field 4 0 4), want 2"
-[ "$(ls "$tmp/d" | grep -c '^env\.5\.')" -eq 0 ] || fail "an unexpected generation 5"
+[ "$(count_gen 5)" -eq 0 ] || fail "an unexpected generation 5"
 
 touch "$tmp/d/finish"
 finish "$pa" 30
