@@ -109,6 +109,12 @@ ABSL_FLAG(int64_t, batch, 8,
 ABSL_FLAG(int64_t, grad_accum, 1,
           "Micro-batches per optimizer step. Gradients are reduced on the last one only (DDP "
           "and FSDP accumulate the others locally).");
+ABSL_FLAG(int64_t, global_batch, 0,
+          "Sequences per optimizer step over all ranks (0: batch x ranks x grad_accum). Sets "
+          "--grad_accum to global_batch / (batch x ranks), which must divide evenly: the global "
+          "batch, hence the data order and the learning-rate schedule, then stays the same at "
+          "every world size, as an elastic run (dtrain-run --nnodes MIN:MAX) needs to resume "
+          "after a world-size change.");
 ABSL_FLAG(int64_t, epochs, 1, "Passes over the training tokens (ignored when --steps is set).");
 ABSL_FLAG(int64_t, steps, 0,
           "Optimizer steps in total; 0: --epochs x steps per epoch. Epochs still mark the "
@@ -440,6 +446,7 @@ Config config_from_flags() {
   c.vocab = absl::GetFlag(FLAGS_vocab);
   c.batch = absl::GetFlag(FLAGS_batch);
   c.grad_accum = absl::GetFlag(FLAGS_grad_accum);
+  c.global_batch = absl::GetFlag(FLAGS_global_batch);
   c.epochs = absl::GetFlag(FLAGS_epochs);
   c.steps = absl::GetFlag(FLAGS_steps);
   c.steps_per_epoch = absl::GetFlag(FLAGS_steps_per_epoch);
@@ -470,6 +477,9 @@ Config config_from_flags() {
   check(c.vocab >= 0, "--vocab must not be negative");
   check(c.batch >= 1, "--batch must be at least 1");
   check(c.grad_accum >= 1, "--grad_accum must be at least 1");
+  check(c.global_batch >= 0, "--global_batch must not be negative");
+  check(c.global_batch == 0 || c.grad_accum == 1,
+        "--global_batch sets --grad_accum; give one of the two");
   check(c.epochs >= 1, "--epochs must be at least 1");
   check(c.steps >= 0 && c.steps_per_epoch >= 0 && c.max_tokens >= 0 && c.warmup_steps >= 0 &&
             c.val_every >= 0 && c.val_batches >= 0 && c.sample_tokens >= 0 && c.top_k >= 0,

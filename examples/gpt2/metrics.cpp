@@ -82,7 +82,8 @@ JsonLine& JsonLine::add(const std::string& k, const std::vector<double>& values)
   return *this;
 }
 
-MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, std::ios::trunc) {
+MetricsWriter::MetricsWriter(const std::string& path, bool append)
+    : path_(path), out_(path, append ? std::ios::app : std::ios::trunc) {
   if (!out_) throw dtrain::Error("cannot write metrics file " + path);
 }
 

@@ -35,10 +35,11 @@ class JsonLine {
 };
 
 // Appends JSON lines to a file, flushing each so that a crash keeps what was written.
-// Opening truncates the file. Throws dtrain::Error when the file cannot be written.
+// Opening truncates the file, or appends to it (a resumed run continues the file of the runs
+// before). Throws dtrain::Error when the file cannot be written.
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path);
+  explicit MetricsWriter(const std::string& path, bool append = false);
   void write(const JsonLine& line);
 
  private:

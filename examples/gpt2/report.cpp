@@ -19,11 +19,11 @@ void Reporter::say(const std::string& text) {
 }
 
 void Reporter::start(RunLabels labels, int64_t total_steps, int64_t epochs, int64_t log_every,
-                     const std::string& metrics_out) {
+                     const std::string& metrics_out, bool append_metrics) {
   if (!rank0_) return;
   labels_ = std::move(labels);
   progress_ = std::make_unique<Progress>(total_steps, epochs, log_every, stdout_is_terminal());
-  if (!metrics_out.empty()) metrics_ = std::make_unique<MetricsWriter>(metrics_out);
+  if (!metrics_out.empty()) metrics_ = std::make_unique<MetricsWriter>(metrics_out, append_metrics);
 }
 
 void Reporter::show_step(const StepRecord& r) {
@@ -36,7 +36,7 @@ JsonLine Reporter::base_line(const char* kind, int64_t step, int64_t epoch) cons
   j.add("kind", kind).add("step", step).add("epoch", epoch).add("rank", labels_.rank);
   j.add("world_size", labels_.world_size).add("strategy", labels_.strategy);
   j.add("blas", labels_.blas).add("blas_kernel", labels_.blas_kernel);
-  j.add("cpu_bf16_native", labels_.cpu_bf16_native);
+  j.add("cpu_bf16_native", labels_.cpu_bf16_native).add("generation", labels_.generation);
   return j;
 }
 

@@ -22,6 +22,9 @@ struct RunLabels {
   // The CPU computes bf16 natively (avx512_bf16 or AMX-BF16; dtrain/blas.h). false: bf16 is
   // emulated and --precision bf16 runs many times slower than fp32 (docs/gpt2.md).
   bool cpu_bf16_native = false;
+  // DTRAIN_GENERATION: the launcher's generation of this run's ranks (dtrain-run restarts and
+  // elastic generations; 0 when started otherwise).
+  int64_t generation = 0;
 };
 
 class Reporter {
@@ -32,8 +35,9 @@ class Reporter {
   void say(const std::string& text);
 
   // Starts the progress display and opens metrics_out (truncated; empty: no metrics file).
+  // append_metrics: a resumed run adds to the metrics file instead of truncating it.
   void start(RunLabels labels, int64_t total_steps, int64_t epochs, int64_t log_every,
-             const std::string& metrics_out);
+             const std::string& metrics_out, bool append_metrics = false);
 
   // The step on the progress display.
   void show_step(const StepRecord& r);

@@ -76,6 +76,9 @@ struct Config {
 
   // Schedule
   int64_t batch = 0, grad_accum = 1, epochs = 1, steps = 0, steps_per_epoch = 0;
+  // --global_batch: sequences per optimizer step over all ranks (0: batch x ranks x
+  // grad_accum); the trainer derives grad_accum from it once it knows the world size.
+  int64_t global_batch = 0;
   int64_t seed = 0;
 
   // Optimizer

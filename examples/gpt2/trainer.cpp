@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -85,8 +86,13 @@ void Trainer::run() {
   labels.blas = blas_label(blas_.info);
   labels.blas_kernel = blas_.info.kernel.empty() ? "unknown" : blas_.info.kernel;
   labels.cpu_bf16_native = blas_.cpu.native_bf16();
+  if (const char* g = std::getenv("DTRAIN_GENERATION"); g != nullptr && *g != '\0') {
+    labels.generation = std::atoll(g);
+  }
+  // Under a launcher's restarts every generation resumes and adds its lines to the file.
+  const bool resuming = c_.resume && !dtrain::latest_checkpoint(c_.ckpt_dir).empty();
   report_.start(std::move(labels), schedule.total_steps, schedule.epochs, c_.log_every,
-                c_.metrics_out);
+                c_.metrics_out, resuming);
   if (rank0() && !c_.profile_out.empty()) op_profile_ = std::make_unique<OpProfile>();
   if (!c_.ckpt_dir.empty()) install_stop_handlers();
 

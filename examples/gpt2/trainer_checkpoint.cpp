@@ -24,6 +24,19 @@ int64_t Trainer::resume_step() {
   dtrain::CheckpointStats stats;
   const dtrain::TrainingState state =
       dtrain::load_checkpoint(latest, *strategy_, optimizer_.get(), {}, &stats);
+  // The data position is the step: step x global batch sequences of the epoch's order were
+  // read. Another global batch would continue from another sample (and another LR schedule).
+  const int64_t global_batch = c_.batch * info_.world_size * c_.grad_accum;
+  if (auto it = state.values.find("global_batch");
+      it != state.values.end() && it->second != std::to_string(global_batch)) {
+    throw dtrain::InvalidArgument(fmt::format(
+        "--resume: {} was written at a global batch of {} sequences, this run's is {} (--batch "
+        "{} x {} ranks x --grad_accum {}): the data order would not continue from the "
+        "checkpoint's sample. Keep the global batch: --global_batch {} (docs/multinode.md, "
+        "\"Elastic runs\")",
+        latest, it->second, global_batch, c_.batch, info_.world_size, c_.grad_accum,
+        it->second));
+  }
   say(fmt::format("resume: step {} from {} ({:.1f} MiB read in {:.2f} s on rank 0)", state.step,
                   latest, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
   if (c_.comm_hook == CommHookKind::kPowerSgd) {

@@ -50,6 +50,13 @@ int available_cores() {
 
 // Intra-op threads, the BLAS note from main, and the allocator.
 void Trainer::setup_process() {
+  if (c_.global_batch > 0) {
+    const int64_t per_micro = c_.batch * info_.world_size;
+    check(c_.global_batch % per_micro == 0,
+          fmt::format("--global_batch {} is not a multiple of --batch {} x {} ranks", c_.global_batch,
+                      c_.batch, info_.world_size));
+    c_.grad_accum = c_.global_batch / per_micro;
+  }
   threads_ = c_.threads > 0 ? c_.threads : std::max(1, available_cores() / info_.local_world_size);
   at::set_num_threads(threads_);
   say("blas: " + blas_.plan.note);

@@ -4,6 +4,7 @@
 //   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr host0
 //              --master_port 29500 -- ./my_trainer        (on node 0; node_rank 1 on the other)
 #include <absl/flags/flag.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdlib>
@@ -17,9 +18,31 @@
 #include "dtrain/blas.h"
 #include "dtrain/launcher.h"
 #include "dtrain_cli/flags.h"
+#include "launcher/elastic.h"
 
 ABSL_FLAG(int, nproc_per_node, 1, "ranks on this node");
-ABSL_FLAG(int, nnodes, 1, "nodes in the job");
+ABSL_FLAG(std::string, nnodes, "1",
+          "nodes in the job: N (a fixed set, each started with its --node_rank), or MIN:MAX "
+          "for an elastic job: an agent per host joins a rendezvous at --master_addr:"
+          "--master_port, and generations of MIN to MAX hosts follow one another as hosts fail "
+          "or join (docs/multinode.md, \"Elastic runs\")");
+ABSL_FLAG(std::string, host_id, "",
+          "elastic: this host's name in messages and failure counts (default: the hostname); "
+          "letters, digits, '.', '-', '_', ':'");
+ABSL_FLAG(std::string, rdzv_id, "none",
+          "elastic: the job's name in the rendezvous store; agents of one job share it "
+          "(torchrun's name)");
+ABSL_FLAG(double, rdzv_last_call_s, 5,
+          "elastic: a round with at least MIN and fewer than MAX agents closes when nobody has "
+          "joined for this long (torchrun's last_call_timeout)");
+ABSL_FLAG(double, rdzv_timeout_s, 600,
+          "elastic: give up when a round does not close within this long (torchrun's "
+          "join_timeout)");
+ABSL_FLAG(double, heartbeat_timeout_s, 30,
+          "elastic: an agent whose heartbeat (every second, through the store) stops for this "
+          "long is lost: the others end the generation");
+ABSL_FLAG(int, max_host_failures, 3,
+          "elastic: a host whose failure count reaches this is left out of later generations");
 ABSL_FLAG(int, node_rank, 0,
           "this node's index in [0, nnodes); its ranks are node_rank * nproc_per_node .. "
           "node_rank * nproc_per_node + nproc_per_node - 1");
@@ -30,7 +53,8 @@ ABSL_FLAG(int, grace_s, 5, "seconds between SIGTERM and SIGKILL when stopping ra
 ABSL_FLAG(int, max_restarts, 0,
           "when a rank fails, stop the others and start every rank again, up to this many "
           "times (torchrun's name); the ranks get TORCHELASTIC_RESTART_COUNT, "
-          "TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. Only with --nnodes 1 for now");
+          "TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. With --nnodes N only for N = 1; "
+          "with --nnodes MIN:MAX, failed generations of the whole job");
 ABSL_FLAG(std::string, blas_kernel, "auto",
           "auto: when OpenBLAS would run its generic kernels, or an older family than this CPU "
           "supports (e.g. Haswell on an AVX-512 CPU), start the ranks with OPENBLAS_CORETYPE set "
@@ -65,6 +89,14 @@ most N times; a signal to dtrain-run is never followed by a restart); the ranks 
 TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. A trainer
 that resumes from its newest checkpoint continues from there.
 
+Elastic (--nnodes MIN:MAX; start one dtrain-run per host, all with the same --master_addr,
+--master_port and --rdzv_id): the agent on master_addr serves the rendezvous store; the
+agents form numbered generations of MIN to MAX hosts (WORLD_SIZE = the ranks of the hosts
+present). When a rank fails, an agent's heartbeat stops, an agent is signalled or a new one
+asks to join, every agent stops its ranks and they form the next generation (a failure uses
+one of --max_restarts). Ranks also get DTRAIN_STORE_TOKEN ending in "/generation/N", so a
+rank of an old generation is refused by the new one's store.
+
 GPUs: CUDA_VISIBLE_DEVICES is passed on unchanged, and each rank picks its GPU by dtrain's
 device contract (dtrain/rendezvous.h, LaunchInfo::cuda_device): GPU LOCAL_RANK, or 0 when
 CUDA_VISIBLE_DEVICES shows the rank a single GPU. With NCCL, more ranks per node than GPUs
@@ -84,7 +116,8 @@ struct BlasOptions {
 };
 
 // The options before the program; nullopt for -h/--help.
-std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOptions& blas) {
+std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOptions& blas,
+                                                   dtrain::launcher::ElasticOptions& elastic) {
   const std::vector<std::string> args(argv, argv + argc);
   const size_t program = dtrain::cli::parse_flags(args, 1, dtrain::cli::Positional::kStop);
   const bool dash_h = program < args.size() && args[program] == "-h" && args[program - 1] != "--";
@@ -92,7 +125,28 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   dtrain::launcher::NodeOptions o;
   o.argv.assign(args.begin() + static_cast<std::ptrdiff_t>(program), args.end());
   o.nproc_per_node = absl::GetFlag(FLAGS_nproc_per_node);
-  o.nnodes = absl::GetFlag(FLAGS_nnodes);
+  const std::string nnodes = absl::GetFlag(FLAGS_nnodes);
+  elastic.max_nodes = 0;
+  const size_t colon = nnodes.find(':');
+  auto number = [&](const std::string& text) {
+    size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != text.size()) {
+      throw std::invalid_argument("--nnodes expects N or MIN:MAX, got '" + nnodes + "'");
+    }
+    return v;
+  };
+  if (colon == std::string::npos) {
+    o.nnodes = number(nnodes);
+  } else {
+    elastic.min_nodes = number(nnodes.substr(0, colon));
+    elastic.max_nodes = number(nnodes.substr(colon + 1));
+  }
   o.node_rank = absl::GetFlag(FLAGS_node_rank);
   o.master_addr = absl::GetFlag(FLAGS_master_addr);
   o.master_port = absl::GetFlag(FLAGS_master_port);
@@ -104,13 +158,39 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   if (kernel != "auto" && kernel != "keep") {
     throw std::invalid_argument("--blas_kernel expects auto or keep, got '" + kernel + "'");
   }
-  blas.policy = kernel == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
+  blas.policy =
+      kernel == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
   blas.library = absl::GetFlag(FLAGS_blas_library);
   blas.info_only = absl::GetFlag(FLAGS_blas_info);
   if (blas.info_only) return o;
   if (o.argv.empty()) throw std::invalid_argument("no program given");
-  if (o.nnodes > 1 && o.master_port == 0) o.master_port = 29500;  // torchrun's default
-  dtrain::launcher::validate(o);
+  if ((o.nnodes > 1 || elastic.max_nodes > 0) && o.master_port == 0) {
+    o.master_port = 29500;  // torchrun's default
+  }
+  if (elastic.max_nodes == 0) {
+    dtrain::launcher::validate(o);
+    return o;
+  }
+  elastic.host_id = absl::GetFlag(FLAGS_host_id);
+  if (elastic.host_id.empty()) {
+    char host[256] = {0};
+    if (gethostname(host, sizeof(host) - 1) == 0) elastic.host_id = host;
+  }
+  auto duration = [](double s, const char* name) {
+    if (!(s >= 0) || s > 1e7) throw std::invalid_argument(fmt::format("--{} out of range", name));
+    return std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
+  };
+  elastic.last_call = duration(absl::GetFlag(FLAGS_rdzv_last_call_s), "rdzv_last_call_s");
+  elastic.join_timeout = duration(absl::GetFlag(FLAGS_rdzv_timeout_s), "rdzv_timeout_s");
+  elastic.heartbeat_timeout =
+      duration(absl::GetFlag(FLAGS_heartbeat_timeout_s), "heartbeat_timeout_s");
+  elastic.max_host_failures = absl::GetFlag(FLAGS_max_host_failures);
+  elastic.rdzv_id = absl::GetFlag(FLAGS_rdzv_id);
+  if (elastic.rdzv_id.empty() || elastic.rdzv_id.find('/') != std::string::npos) {
+    throw std::invalid_argument("--rdzv_id must be non-empty and without '/'");
+  }
+  elastic.node = o;
+  dtrain::launcher::validate(elastic);
   return o;
 }
 
@@ -148,8 +228,9 @@ void print_blas_info(const BlasOptions& blas, const dtrain::BlasInfo& info,
 int main(int argc, char** argv) {
   std::optional<dtrain::launcher::NodeOptions> options;
   BlasOptions blas;
+  dtrain::launcher::ElasticOptions elastic;
   try {
-    options = parse(argc, argv, blas);
+    options = parse(argc, argv, blas, elastic);
   } catch (const std::exception& e) {
     fmt::print(stderr, "dtrain-run: {}\n\n{}{}", e.what(), kUsage, dtrain::cli::flags_help());
     return 2;
@@ -178,6 +259,17 @@ int main(int argc, char** argv) {
   }
   options->environment = plan.environment;
   try {
+    if (elastic.max_nodes > 0) {
+      elastic.node.environment = plan.environment;
+      // The agents present the job's token (if any) to their store; the ranks of
+      // generation N get it with "/generation/N" appended.
+      const char* token = std::getenv("DTRAIN_STORE_TOKEN");
+      elastic.token = token != nullptr ? token : "";
+      auto store = dtrain::launcher::make_agent_store(options->master_addr, options->master_port,
+                                                      elastic.token, elastic.serves_store);
+      return dtrain::launcher::run_elastic(
+          elastic, dtrain::make_prefix_store("dtrain-run/" + elastic.rdzv_id, store));
+    }
     return dtrain::launcher::run_node(*options);
   } catch (const std::exception& e) {
     fmt::print(stderr, "dtrain-run: {}\n", e.what());

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "launcher/generation.h"
 #include "launcher/spawn.h"
 #include "launcher/supervisor.h"
 
@@ -22,7 +23,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // A signal handler can reach only static storage; these are written by on_signal and read
-// (then reset) by run_node's loop on the same thread.
+// (then reset) by the generation loop on the same thread.
 volatile sig_atomic_t g_pending_signal = 0;
 volatile sig_atomic_t g_signal_count = 0;
 
@@ -33,60 +34,7 @@ void on_signal(int sig) {
 
 // The signals that stop the job.
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
-
-const char* signal_name(int sig) {
-  switch (sig) {
-    case SIGINT:
-      return "SIGINT";
-    case SIGTERM:
-      return "SIGTERM";
-    case SIGHUP:
-      return "SIGHUP";
-    case SIGQUIT:
-      return "SIGQUIT";
-    case SIGKILL:
-      return "SIGKILL";
-    default:
-      return strsignal(sig);
-  }
-}
-
-// Installs on_signal for the stop signals while alive; restores the old handlers after. A
-// SIGHUP ignored on entry (nohup) stays ignored: surviving a hangup is what the user asked.
-// SIGCHLD is at its default meanwhile: ignored, the kernel would reap the ranks itself and
-// their exit statuses would be lost.
-class SignalForwarding {
- public:
-  SignalForwarding() {
-    g_pending_signal = 0;
-    g_signal_count = 0;
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
-      const int sig = kStopSignals[i];
-      sigaction(sig, nullptr, &old_[i]);
-      if (sig == SIGHUP && old_[i].sa_handler == SIG_IGN) continue;
-      sigaction(sig, &sa, nullptr);
-    }
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    sigemptyset(&dfl.sa_mask);
-    sigaction(SIGCHLD, &dfl, &old_chld_);
-  }
-  ~SignalForwarding() {
-    for (size_t i = 0; i < std::size(kStopSignals); ++i) {
-      sigaction(kStopSignals[i], &old_[i], nullptr);
-    }
-    sigaction(SIGCHLD, &old_chld_, nullptr);
-  }
-  SignalForwarding(const SignalForwarding&) = delete;
-  SignalForwarding& operator=(const SignalForwarding&) = delete;
-
- private:
-  struct sigaction old_[std::size(kStopSignals)]{};
-  struct sigaction old_chld_ {};
-};
+static_assert(std::size(kStopSignals) == 4, "SignalForwarding::old_ holds four");
 
 struct Child {
   int rank = 0;
@@ -114,18 +62,19 @@ int exit_status_for(int status) {
   return 1;
 }
 
-SupervisedRank spawn(const NodeOptions& o, const std::string& supervisor, int local_rank, int port,
-                     int restart, bool null_stdin) {
+SupervisedRank spawn(const NodeOptions& o, const std::string& supervisor, int local_rank,
+                     const GenerationSpec& g, bool null_stdin) {
   std::map<std::string, std::string> vars = {
-      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(g.restart_count)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
-      {"DTRAIN_GENERATION", std::to_string(restart)},
-      {"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
-      {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
+      {"DTRAIN_GENERATION", std::to_string(g.generation)},
+      {"RANK", std::to_string(g.first_rank + local_rank)},
+      {"WORLD_SIZE", std::to_string(g.world_size)},
       {"LOCAL_RANK", std::to_string(local_rank)},
       {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
-      {"MASTER_ADDR", o.master_addr},
-      {"MASTER_PORT", std::to_string(port)}};
+      {"MASTER_ADDR", g.master_addr},
+      {"MASTER_PORT", std::to_string(g.master_port)}};
+  vars.insert(g.environment.begin(), g.environment.end());
   vars.insert(o.environment.begin(), o.environment.end());  // keeps the rank variables
   const std::vector<std::string> env = environment_with(vars);
   SpawnOptions so;
@@ -180,6 +129,50 @@ Reap reap(Child& c, int& wait_error) {
 
 }  // namespace
 
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    case SIGQUIT:
+      return "SIGQUIT";
+    case SIGKILL:
+      return "SIGKILL";
+    default:
+      return strsignal(sig);
+  }
+}
+
+SignalForwarding::SignalForwarding() {
+  g_pending_signal = 0;
+  g_signal_count = 0;
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+    const int sig = kStopSignals[i];
+    sigaction(sig, nullptr, &old_[i]);
+    if (sig == SIGHUP && old_[i].sa_handler == SIG_IGN) continue;
+    sigaction(sig, &sa, nullptr);
+  }
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  sigaction(SIGCHLD, &dfl, &old_chld_);
+}
+
+SignalForwarding::~SignalForwarding() {
+  for (size_t i = 0; i < std::size(kStopSignals); ++i) {
+    sigaction(kStopSignals[i], &old_[i], nullptr);
+  }
+  sigaction(SIGCHLD, &old_chld_, nullptr);
+}
+
+int pending_stop_signal() { return g_pending_signal; }
+
 void validate(const NodeOptions& o) {
   if (o.argv.empty() || o.argv[0].empty()) throw std::invalid_argument("no command to run");
   if (o.nproc_per_node < 1) throw std::invalid_argument("nproc_per_node must be at least 1");
@@ -198,8 +191,8 @@ void validate(const NodeOptions& o) {
   if (o.max_restarts < 0) throw std::invalid_argument("max_restarts must not be negative");
   if (o.max_restarts > 0 && o.nnodes > 1) {
     throw std::invalid_argument(
-        "max_restarts needs nnodes 1: restarting the ranks of several nodes together needs "
-        "the elastic rendezvous (--nnodes MIN:MAX), which is not built yet");
+        "max_restarts needs nnodes 1 here: restarting the ranks of several nodes together "
+        "needs the elastic rendezvous (dtrain-run --nnodes MIN:MAX)");
   }
 }
 
@@ -211,29 +204,16 @@ std::vector<std::string> self_command(int argc, char** argv) {
   return command;
 }
 
-namespace {
-
-// How one generation of this node's ranks ended.
-struct Generation {
-  int result = 0;       // the exit status run_node returns if nothing is restarted
-  int received = 0;     // the stop signal the launcher received, 0 if none
-  bool failed = false;  // a rank failed (or could not be waited for) before any signal
-};
-
-// Starts this node's ranks as generation `restart` and supervises them until every one
-// has ended (the failure model in dtrain/launcher.h).
-Generation run_generation(const NodeOptions& o, const std::string& supervisor, int restart,
-                          bool null_stdin) {
-  // A new store port for each generation picked here: nothing of an earlier one can reach it.
-  const int port = o.master_port != 0 ? o.master_port : free_port();
-
+GenerationOutcome run_generation(const NodeOptions& o, const std::string& supervisor,
+                                 const GenerationSpec& spec, bool null_stdin,
+                                 const std::function<bool()>& stop_requested) {
   std::vector<Child> children;
   for (int l = 0; l < o.nproc_per_node; ++l) {
     Child c;
     c.local_rank = l;
-    c.rank = o.node_rank * o.nproc_per_node + l;
+    c.rank = spec.first_rank + l;
     try {
-      const SupervisedRank started = spawn(o, supervisor, l, port, restart, null_stdin);
+      const SupervisedRank started = spawn(o, supervisor, l, spec, null_stdin);
       c.pid = started.supervisor;
       c.rank_pid = started.rank;
     } catch (...) {
@@ -250,6 +230,8 @@ Generation run_generation(const NodeOptions& o, const std::string& supervisor, i
 
   int result = 0;
   bool stopping = false, killed = false, supervisors_killed = false, rank_failed = false;
+  bool stopped = false;
+  std::string failure;
   int received = 0;  // the stop signal that arrived first
   Clock::time_point deadline{}, kill_deadline{};
   auto kill_all = [&] {
@@ -305,6 +287,7 @@ Generation run_generation(const NodeOptions& o, const std::string& supervisor, i
         if (result == 0) result = 1;
         if (!stopping) {
           rank_failed = true;
+          failure = fmt::format("rank {}: waitpid failed: {}", c.rank, std::strerror(wait_error));
           stop_others();
         }
         continue;
@@ -315,10 +298,16 @@ Generation run_generation(const NodeOptions& o, const std::string& supervisor, i
         result = exit_status_for(c.status);
         if (result == 0) result = 1;
         rank_failed = true;
+        failure =
+            fmt::format("rank {} (local rank {}) {}", c.rank, c.local_rank, describe(c.status));
         stop_others();
       }
     }
     if (!any_running) break;
+    if (!stopping && stop_requested && stop_requested()) {
+      stopped = true;
+      stop_others();
+    }
     if (stopping && !killed && Clock::now() > deadline) {
       for (const auto& c : children) {
         if (c.running) {
@@ -342,10 +331,14 @@ Generation run_generation(const NodeOptions& o, const std::string& supervisor, i
     }
     if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return Generation{result, received, rank_failed && received == 0};
+  GenerationOutcome out;
+  out.result = result;
+  out.received = received;
+  out.failed = rank_failed && received == 0;
+  out.stopped = stopped && !rank_failed && received == 0;
+  out.failure = failure;
+  return out;
 }
-
-}  // namespace
 
 int run_node(const NodeOptions& o) {
   validate(o);
@@ -353,7 +346,14 @@ int run_node(const NodeOptions& o) {
   SignalForwarding forwarding;
   const bool null_stdin = isatty(0) == 1;
   for (int restart = 0;; ++restart) {
-    const Generation g = run_generation(o, supervisor, restart, null_stdin);
+    GenerationSpec spec;
+    spec.generation = spec.restart_count = restart;
+    spec.first_rank = o.node_rank * o.nproc_per_node;
+    spec.world_size = o.nnodes * o.nproc_per_node;
+    spec.master_addr = o.master_addr;
+    // A new store port for each generation picked here: nothing of an earlier one can reach it.
+    spec.master_port = o.master_port != 0 ? o.master_port : free_port();
+    const GenerationOutcome g = run_generation(o, supervisor, spec, null_stdin);
     if (g.received != 0 && g.result == 128 + g.received) {
       fmt::print(stderr, "{}: ranks stopped after {}\n", o.name, signal_name(g.received));
     }

@@ -1,0 +1,57 @@
+// The agents' rendezvous store for dtrain-run --nnodes MIN:MAX: dtrain's TCP store at
+// master_addr:master_port, served by the agent on that host.
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "dtrain/errors.h"
+#include "launcher/elastic.h"
+
+namespace dtrain::launcher {
+namespace {
+
+// True when `host` is an address of this machine (something here can bind it).
+bool is_local_host(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return false;
+  bool local = false;
+  for (addrinfo* a = found; a != nullptr && !local; a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_STREAM, 0);
+    if (fd < 0) continue;
+    local = bind(fd, a->ai_addr, a->ai_addrlen) == 0;  // port 0: any free one
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return local;
+}
+
+}  // namespace
+
+std::shared_ptr<Store> make_agent_store(const std::string& host, int port, const std::string& token,
+                                        bool& serves) {
+  TcpStoreOptions so;
+  so.host = host;
+  so.port = static_cast<uint16_t>(port);
+  so.token = token;
+  so.timeout = std::chrono::seconds(60);
+  serves = false;
+  if (is_local_host(host)) {
+    so.is_server = true;
+    try {
+      auto store = make_tcp_store(so);
+      serves = true;
+      return store;
+    } catch (const CommError&) {
+      // The port is taken: another agent of this host serves the store (else connecting
+      // below fails with the reason).
+    }
+    so.is_server = false;
+  }
+  return make_tcp_store(so);
+}
+
+}  // namespace dtrain::launcher
