@@ -174,9 +174,10 @@ ABSL_FLAG(std::string, comm_hook, "allreduce",
           "broadcasts) | powersgd (low-rank compression, --powersgd_rank). fsdp: allreduce | "
           "fp16 | bf16 (FSDP's reduce_dtype).");
 ABSL_FLAG(std::string, quantize_grads, "none",
-          "ddp: gradients on the wire as int8 (blockwise, an fp32 scale per 256 values) | bf16 "
-          "| none, all-gathered and averaged in fp32 (dtrain::quantized_allreduce_hook; "
-          "replaces --comm_hook).");
+          "Gradients on the wire as int8 (blockwise, an fp32 scale per 256 values) | bf16 "
+          "| none, averaged in fp32. ddp: all-gathered (dtrain::quantized_allreduce_hook; "
+          "replaces --comm_hook). fsdp: reduce-scattered point to point "
+          "(FsdpOptions::quantize_grads).");
 ABSL_FLAG(std::string, quantize_params, "none",
           "fsdp: parameters' all-gathers on the wire as int8 (blockwise) | bf16 | none "
           "(FsdpOptions::quantize_params); the fp32 shards stay exact.");
@@ -192,6 +193,12 @@ ABSL_FLAG(std::string, sharding, "full",
           "kept from forward to backward) | no_shard (DDP-like) | hybrid (full within groups "
           "of --shard_group_size ranks, replicated across groups).");
 ABSL_FLAG(int, shard_group_size, 0, "fsdp hybrid: ranks per shard group (0: LOCAL_WORLD_SIZE).");
+ABSL_FLAG(std::string, reshard_after_forward, "",
+          "fsdp: where a block's parameters go after its forward (FsdpOptions::"
+          "reshard_after_forward). all: freed, backward gathers over every rank | host: each "
+          "rank keeps 1/LOCAL_WORLD_SIZE of them, backward gathers inside the host | none: "
+          "kept until backward. Empty: --sharding's own (full, hybrid: all; grad_op, "
+          "no_shard: none).");
 ABSL_FLAG(std::string, prefetch, "pre",
           "fsdp backward prefetch: pre (gather the next unit when a unit's backward starts) | "
           "post (after its gradient is reduced) | none.");
@@ -383,10 +390,9 @@ Config config_from_flags() {
                                             {"bf16", Quantization::kBf16},
                                             {"int8", Quantization::kInt8}},
                                            "--quantize_params must be int8, bf16 or none");
-  check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy == StrategyKind::kDdp,
-        "--quantize_grads is implemented for --strategy ddp only (fsdp's quantised "
-        "reduce-scatter needs an all-to-all the communicator does not have yet)");
-  check(c.quantize_grads == dtrain::Quantization::kNone ||
+  check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy != StrategyKind::kSingle,
+        "--quantize_grads applies to --strategy ddp or fsdp");
+  check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy != StrategyKind::kDdp ||
             c.comm_hook == CommHookKind::kAllreduce,
         "--quantize_grads chooses ddp's comm hook itself: leave --comm_hook at allreduce");
   check(c.quantize_params == dtrain::Quantization::kNone || c.strategy == StrategyKind::kFsdp,
@@ -403,6 +409,17 @@ Config config_from_flags() {
                                          {"no_shard", ShardingStrategy::kNoShard},
                                          {"hybrid", ShardingStrategy::kHybridShard}},
                                         "--sharding must be full, grad_op, no_shard or hybrid");
+  const std::string reshard = absl::GetFlag(FLAGS_reshard_after_forward);
+  if (!reshard.empty()) {
+    c.reshard_after_forward = choose<dtrain::ReshardAfterForward>(
+        reshard,
+        {{"all", dtrain::ReshardAfterForward::kAll},
+         {"host", dtrain::ReshardAfterForward::kHost},
+         {"none", dtrain::ReshardAfterForward::kNone}},
+        "--reshard_after_forward must be all, host or none");
+    check(c.strategy == StrategyKind::kFsdp,
+          "--reshard_after_forward applies to --strategy fsdp");
+  }
   c.prefetch = choose<BackwardPrefetch>(absl::GetFlag(FLAGS_prefetch),
                                         {{"pre", BackwardPrefetch::kBackwardPre},
                                          {"post", BackwardPrefetch::kBackwardPost},

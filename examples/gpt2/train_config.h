@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "bert_model.h"
@@ -93,13 +94,15 @@ struct Config {
   int64_t loss_scale_interval = 2000;               // kDynamic: clean steps before growing
   LossKind loss = LossKind::kFused;
   CommHookKind comm_hook = CommHookKind::kAllreduce;
-  dtrain::Quantization quantize_grads = dtrain::Quantization::kNone;   // ddp
+  dtrain::Quantization quantize_grads = dtrain::Quantization::kNone;   // ddp, fsdp
   dtrain::Quantization quantize_params = dtrain::Quantization::kNone;  // fsdp
   int powersgd_rank = 1;             // --comm_hook powersgd
   int64_t powersgd_start_iter = 10;  // --comm_hook powersgd
   double bucket_mb = 0;
   dtrain::ShardingStrategy sharding = dtrain::ShardingStrategy::kFullShard;
   int shard_group_size = 0;
+  // fsdp: FsdpOptions::reshard_after_forward; unset: the sharding strategy's.
+  std::optional<dtrain::ReshardAfterForward> reshard_after_forward;
   dtrain::BackwardPrefetch prefetch = dtrain::BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
   bool malloc_tuning = true;

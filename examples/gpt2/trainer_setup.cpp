@@ -261,6 +261,16 @@ void Trainer::setup_model_and_strategy() {
       if (c_.comm_hook == CommHookKind::kBf16) o.mixed_precision.reduce_dtype = at::kBFloat16;
       if (c_.comm_hook == CommHookKind::kFp16) o.mixed_precision.reduce_dtype = at::kHalf;
       o.quantize_params = c_.quantize_params;
+      o.quantize_grads = c_.quantize_grads;
+      o.reshard_after_forward = c_.reshard_after_forward;
+      if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost) {
+        check(store_ != nullptr,
+              "--reshard_after_forward host needs several ranks (a launched job)");
+        // Hosts as the launcher numbers them: LOCAL_WORLD_SIZE consecutive ranks.
+        o.host_group = dtrain::make_host_group(store_, info_.rank, info_.world_size,
+                                               info_.local_world_size,
+                                               info_.communicator_options(comm_options_));
+      }
       if (o.sharding == dtrain::ShardingStrategy::kHybridShard) {
         const int group = c_.shard_group_size > 0 ? c_.shard_group_size : info_.local_world_size;
         check(store_ != nullptr && info_.world_size % group == 0,
@@ -279,6 +289,13 @@ void Trainer::setup_model_and_strategy() {
                       prefetch_flag_name(c_.prefetch), to_string(c_.comm_hook));
       if (c_.quantize_params != dtrain::Quantization::kNone) {
         details += fmt::format(", parameters {} on the wire", to_string(c_.quantize_params));
+      }
+      if (c_.quantize_grads != dtrain::Quantization::kNone) {
+        details += fmt::format(", gradients {} on the wire", to_string(c_.quantize_grads));
+      }
+      if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost) {
+        details += fmt::format(", resharded after forward within hosts of {} ranks",
+                               info_.local_world_size);
       }
       break;
     }

@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,14 @@ class CommHook {
   virtual ~CommHook() = default;
   virtual WorkPtr run(Communicator& comm, GradBucket& bucket) = 0;
   virtual std::string name() const = 0;
+
+  // State a resumed run needs to continue exactly (e.g. PowerSGD's error feedback), this
+  // rank's, as named CPU tensors: checkpoints save it (StateLayout::rank_state) and hand it
+  // back to load_state() when resuming at the same world size. Called between steps. The
+  // defaults: a stateless hook, which has nothing to save and refuses state it did not write
+  // (InvalidArgument naming the first entry).
+  virtual std::map<std::string, at::Tensor> state() const { return {}; }
+  virtual void load_state(const std::map<std::string, at::Tensor>& state);
 };
 
 // All-reduce average in the gradient's dtype (the default).

@@ -90,6 +90,22 @@ enum class BackwardPrefetch {
   kBackwardPost,  // once unit k's gradients are reduced, gather the unit that runs next
 };
 
+// Where a unit's parameters go when its forward is done (FSDP2's reshard_after_forward,
+// ZeRO++'s hpZ). Backward needs them again, so this trades memory for the backward's gather.
+enum class ReshardAfterForward {
+  // Freed: backward gathers them again over the whole shard group (FULL_SHARD's default;
+  // FSDP2's True).
+  kAll,
+  // Sharded only over the ranks of this host (FsdpOptions::host_group): each rank keeps
+  // 1/L of the unit's full parameters (L ranks per host) until the unit's backward, which
+  // gathers them inside the host, so backward's all-gathers never cross the network. Costs
+  // that 1/L per unit from its forward to its backward (FSDP2's int). The result is the
+  // same as kAll's, bit for bit: the pieces are copies of what forward computed with.
+  kHost,
+  // Kept gathered until the unit's backward is done (SHARD_GRAD_OP's; FSDP2's False).
+  kNone,
+};
+
 struct MixedPrecision {
   // Dtype of the gathered parameters the module computes with (e.g. kBFloat16); unset: fp32.
   c10::optional<c10::ScalarType> param_dtype;
@@ -123,6 +139,18 @@ struct FsdpOptions {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   // Gather unit k+1 while unit k's forward runs (order taken from the previous iteration).
   bool forward_prefetch = false;
+  // What happens to a unit's parameters after its forward (see ReshardAfterForward). Unset:
+  // the sharding strategy's own (FULL_SHARD, HYBRID_SHARD: kAll; SHARD_GRAD_OP, NO_SHARD:
+  // kNone). Set, it overrides FULL_SHARD's and SHARD_GRAD_OP's (FULL_SHARD with kNone is
+  // SHARD_GRAD_OP, SHARD_GRAD_OP with kAll is FULL_SHARD) and HYBRID_SHARD's; NO_SHARD
+  // accepts only kNone (it never frees). kHost needs host_group. Calls whose backward reads
+  // no parameters (ParamsInBackward::kNotRead) and forwards without grad mode (nothing to
+  // gather for) free the unit fully under kHost too.
+  std::optional<ReshardAfterForward> reshard_after_forward;
+  // ReshardAfterForward::kHost: a communicator of the ranks of this host (any group of
+  // ranks works; its size must divide the shard group's), e.g. make_host_group(). Ignored
+  // otherwise.
+  CommunicatorPtr host_group;
   // Most units gathered ahead of use at once (prefetches beyond this wait), bounding memory.
   int limit_all_gathers = 2;
   // A unit called more than once in a forward (weight sharing, e.g. a tied embedding looked
@@ -130,7 +158,8 @@ struct FsdpOptions {
   // instead of being freed after each call and gathered again: one all-gather per forward
   // instead of one per call, for holding its parameters in between. From the second
   // iteration on (the first records which call is the last). false: freed after every call,
-  // the least memory. FULL_SHARD / HYBRID_SHARD only (the others keep units gathered anyway).
+  // the least memory. Only where units are freed after forward (reshard_after_forward kAll or
+  // kHost; FULL_SHARD / HYBRID_SHARD by default).
   bool keep_gathered_between_calls = true;
   MixedPrecision mixed_precision;
   // Which submodules are units; null: the root unit only.
@@ -165,7 +194,15 @@ struct FsdpOptions {
   // shards the optimizer steps stay exact; only the compute copy carries the quantisation
   // error. int8 sends about a quarter of fp32's bytes (half of bf16 param_dtype's).
   Quantization quantize_params = Quantization::kNone;
-  // Values per int8 scale (quantize_params int8); >= 1.
+  // Gradients' reduce-scatter quantised on the wire (ZeRO++'s qgZ): each rank sends every
+  // peer the chunk that peer owns, in bf16 or blockwise int8; the owner dequantises the
+  // chunks into fp32 and averages them there (its own chunk exact), so nothing is added up in
+  // low precision. Traffic per rank: (world - 1) / world of the unit's gradient, quantised
+  // (int8 about a quarter of fp32's reduce-scatter). Over HYBRID_SHARD's or NO_SHARD's
+  // replicas the all-reduce stays in the reduce dtype. Error bound: docs/strategies.md,
+  // "Quantised communication".
+  Quantization quantize_grads = Quantization::kNone;
+  // Values per int8 scale (quantize_params / quantize_grads int8); >= 1.
   int64_t quantization_block = kDefaultQuantizationBlock;
 };
 
@@ -359,5 +396,12 @@ struct HybridGroups {
 };
 HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int world_size,
                                 int shard_group_size, const CommunicatorOptions& options = {});
+
+// The communicator of this rank's host for FsdpOptions::host_group, with hosts as
+// `local_world_size` consecutive ranks (the launcher's numbering: LOCAL_WORLD_SIZE ranks per
+// host); connects through `store`. Every rank calls it. Throws InvalidArgument unless
+// local_world_size divides world_size.
+CommunicatorPtr make_host_group(std::shared_ptr<Store> store, int rank, int world_size,
+                                int local_world_size, const CommunicatorOptions& options = {});
 
 }  // namespace dtrain

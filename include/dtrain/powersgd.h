@@ -79,11 +79,11 @@ class PowerSgdHook final : public CommHook {
   // Named tensors (CPU, contiguous copies) of the hook's state: "iteration" (int64, one
   // element), "bucket.<i>.error" (fp32, the bucket's length) and "bucket.<i>.q" (fp32, the
   // bucket's Q factors, each r x m, concatenated in parameter order). Call between steps.
-  std::map<std::string, at::Tensor> state() const;
+  std::map<std::string, at::Tensor> state() const override;
   // Restores what state() returned (on a hook with the same options, before the first step).
   // A bucket whose layout later differs from the saved one throws InvalidArgument when it is
   // reduced, naming the bucket. Throws InvalidArgument for an unknown or malformed entry.
-  void load_state(const std::map<std::string, at::Tensor>& state);
+  void load_state(const std::map<std::string, at::Tensor>& state) override;
 
  private:
   struct Bucket;

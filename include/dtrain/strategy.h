@@ -30,6 +30,8 @@
 
 #include <cstdint>
 #include <exception>
+#include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -81,6 +83,13 @@ struct StateLayout {
   std::string sharding;  // how the state is spread, for the manifest, e.g. "replicated"
   CommunicatorPtr comm;  // the ranks holding it; null for a single rank
   std::vector<StateSlice> slices;
+  // This rank's own state outside the model, that a resumed run needs to continue exactly
+  // (DataParallel: its comm hook's CommHook::state(), e.g. PowerSGD's error feedback and Q).
+  // Named CPU tensors; checkpoints save every rank's, and a load at the same world size hands
+  // each rank its own through load_rank_state (null: nothing takes it; state saved for
+  // another configuration is then left unread).
+  std::map<std::string, at::Tensor> rank_state;
+  std::function<void(const std::map<std::string, at::Tensor>&)> load_rank_state;
 };
 
 class Strategy {
@@ -144,6 +153,8 @@ class Strategy {
   // Every rank must use the same setting in the same step (the step agreements still run).
   // What the local sum costs: SingleDevice and DataParallel nothing (DDP's buckets hold it);
   // FSDP an unsharded fp32 gradient per unit until the synced backward (docs/strategies.md).
+  // Strategies read the setting only here, when a step's forward begins and when its
+  // backward runs, and pass it on as an argument (no setter reaches into their machinery).
   void set_requires_gradient_sync(bool sync) { gradient_sync_ = sync; }
   bool requires_gradient_sync() const { return gradient_sync_; }
 

@@ -21,6 +21,7 @@
 #include "checkpoint/directory.h"
 #include "checkpoint/layout.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/rank_state.h"
 #include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
 #include "dtrain/checkpoint.h"
@@ -151,6 +152,7 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
   std::vector<int64_t> steps(T, -1);
   std::vector<double> lrs;
   std::optional<ck::RngStates> rng;
+  std::optional<ck::NamedTensors> rank_state;
   int64_t bytes = 0;
   ranks.agreed("load_checkpoint", [&] {
     CheckpointReader reader(path);
@@ -239,6 +241,10 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
       if (options.restore_rng && m.at("world_size").as_int() == ranks.world) {
         rng = ck::read_rng_entries(extra, ranks.rank);
       }
+      // A rank's own state belongs to the same rank of the same world size only.
+      if (layout.load_rank_state && m.at("world_size").as_int() == ranks.world) {
+        rank_state = ck::read_rank_state_entries(extra, ranks.rank);
+      }
     } catch (const JsonError& e) {
       reader.fail(fmt::format("unreadable manifest: {}", e.cause()));
     }
@@ -282,6 +288,7 @@ TrainingState load_checkpoint(const std::string& path, Strategy& strategy,
       opt.set_learning_rates(lrs);
     }
     if (rng) ck::restore(ck::Generators::process_defaults(), *rng);
+    if (rank_state) layout.load_rank_state(*rank_state);
   }
   strategy.state_loaded();
   if (stats != nullptr) {

@@ -19,6 +19,7 @@
 #include "checkpoint/directory.h"
 #include "checkpoint/layout.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/rank_state.h"
 #include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
 #include "dtrain/errors.h"
@@ -217,13 +218,19 @@ SaveJob plan_save(const std::string& dir, Strategy& strategy, torch::optim::Opti
   // Every rank's random generators (CPU and CUDA), to rank 0.
   const std::vector<RngStates> all_rng = gather_rng_states(ranks.many() ? ranks.comm : nullptr,
                                                            capture(Generators::process_defaults()));
+  // Every rank's own state outside the model (a comm hook's), to rank 0.
+  const std::vector<NamedTensors> all_rank_state =
+      gather_rank_states(ranks.many() ? ranks.comm : nullptr, layout.rank_state);
   if (ranks.rank == 0) {
-    // Caller state and every rank's generator: small, written by rank 0.
+    // Caller state, every rank's generator and state: written by rank 0.
     for (const auto& [name, t] : state.tensors) {
       job.extra.emplace_back("training/" + name, copy ? host_copy(t.detach()) : t);
     }
     for (int r = 0; r < ranks.world; ++r) {
       append_rng_entries(r, all_rng[static_cast<size_t>(r)], job.extra);
+    }
+    for (int r = 0; r < ranks.world; ++r) {
+      append_rank_state_entries(r, all_rank_state[static_cast<size_t>(r)], job.extra);
     }
     job.manifest = manifest_of(job, strategy, layout, opt, agree, state);
   }

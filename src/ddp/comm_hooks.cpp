@@ -88,6 +88,14 @@ class ParameterServerHook final : public CommHook {
 
 }  // namespace
 
+void CommHook::load_state(const std::map<std::string, at::Tensor>& state) {
+  if (!state.empty()) {
+    throw InvalidArgument(ErrorContext{-1, -1, "CommHook::load_state", -1},
+                          fmt::format("hook '{}' keeps no state, got \"{}\"", name(),
+                                      state.begin()->first));
+  }
+}
+
 std::shared_ptr<CommHook> allreduce_hook() { return std::make_shared<AllReduceHook>(); }
 std::shared_ptr<CommHook> fp16_compress_hook() { return std::make_shared<CompressHook>(at::kHalf); }
 std::shared_ptr<CommHook> bf16_compress_hook() {

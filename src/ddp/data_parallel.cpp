@@ -6,7 +6,10 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -38,25 +41,32 @@ class DataParallel::Reducer {
           DataParallelOptions options);
   ~Reducer() { token_.reset(); }
 
-  void begin_forward();
+  // gradient_sync: Strategy::requires_gradient_sync() of the step, passed in as FSDP's
+  // implementation takes it (the step's setting is read at forward and at backward).
+  void begin_forward(bool gradient_sync);
   void end_forward();
   void forward_failed(std::exception_ptr error);
-  void backward(const at::Tensor& loss);
+  void backward(const at::Tensor& loss, bool gradient_sync);
   void finish();
   double grad_norm();
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
+  // StateLayout::rank_state: the bucket layout and step count (a resumed run must reduce
+  // in the same buckets: hooks keep per-bucket state, and bucket boundaries decide the
+  // reduction's round-off) and the comm hook's state. Between steps.
+  std::map<std::string, at::Tensor> rank_state() const;
+  void load_rank_state(const std::map<std::string, at::Tensor>& state);
 
   std::shared_ptr<torch::nn::Module> module_;
   CommunicatorPtr comm_;
   DataParallelOptions options_;
   std::shared_ptr<CommHook> hook_;
-  bool sync_ = true;  // Strategy::requires_gradient_sync(), copied at forward and backward
   StepStats stats_;
   std::vector<std::vector<size_t>> assignment_;
   std::vector<int> launch_order_;
   std::vector<at::Tensor> params_;  // trainable parameters, registration order
 
  private:
+  bool sync_ = true;  // the step's gradient_sync (begin_forward, backward)
   struct Bucket {
     std::vector<size_t> params;
     std::vector<int64_t> offsets;
@@ -211,7 +221,8 @@ void DataParallel::Reducer::ensure_grad_views() {
   }
 }
 
-void DataParallel::Reducer::begin_forward() {
+void DataParallel::Reducer::begin_forward(bool gradient_sync) {
+  sync_ = gradient_sync;  // the bucket rebuild and a failed forward read it
   steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   training_forward_ = c10::GradMode::is_enabled();
   try {
@@ -278,6 +289,70 @@ void DataParallel::Reducer::rebuild_from_ready_order() {
   const std::vector<int64_t> rank0 = ControlPlane(*comm_).broadcast(order, 0);
   std::vector<size_t> agreed(rank0.begin(), rank0.end());
   build_buckets(agreed);
+}
+
+namespace {
+constexpr const char* kOrderKey = "ddp/bucket_order";
+constexpr const char* kIterationKey = "ddp/iteration";
+constexpr const char* kRebuiltKey = "ddp/rebuilt";
+}  // namespace
+
+std::map<std::string, at::Tensor> DataParallel::Reducer::rank_state() const {
+  std::map<std::string, at::Tensor> out;
+  std::vector<int64_t> order;
+  for (const auto& bucket : assignment_) order.insert(order.end(), bucket.begin(), bucket.end());
+  out[kOrderKey] = at::tensor(order, at::kLong);
+  out[kIterationKey] = at::full({1}, iteration_, at::kLong);
+  out[kRebuiltKey] = at::full({1}, static_cast<int64_t>(rebuilt_), at::kLong);
+  // Under the hook's name: state of another hook (the run changed hooks) is not handed over.
+  const std::string prefix = "hook/" + hook_->name() + "/";
+  for (const auto& [name, t] : hook_->state()) out[prefix + name] = t;
+  return out;
+}
+
+void DataParallel::Reducer::load_rank_state(const std::map<std::string, at::Tensor>& state) {
+  auto invalid = [&](const std::string& why) {
+    throw InvalidArgument(ctx("load_rank_state"), why);
+  };
+  auto scalar = [&](const char* key) -> std::optional<int64_t> {
+    auto it = state.find(key);
+    if (it == state.end()) return std::nullopt;
+    if (it->second.scalar_type() != at::kLong || it->second.numel() != 1) {
+      invalid(fmt::format("\"{}\" must be one int64", key));
+    }
+    return it->second.item<int64_t>();
+  };
+  auto order_it = state.find(kOrderKey);
+  if (order_it != state.end()) {
+    const at::Tensor& t = order_it->second;
+    if (t.scalar_type() != at::kLong || t.dim() != 1 ||
+        t.numel() != static_cast<int64_t>(params_.size())) {
+      invalid(fmt::format("\"{}\" must list the {} trainable parameters", kOrderKey,
+                          params_.size()));
+    }
+    const at::Tensor c = t.contiguous();
+    std::vector<size_t> order;
+    std::vector<uint8_t> seen(params_.size(), 0);
+    for (int64_t k = 0; k < c.numel(); ++k) {
+      const int64_t i = c.data_ptr<int64_t>()[k];
+      if (i < 0 || i >= static_cast<int64_t>(params_.size()) || seen[static_cast<size_t>(i)]) {
+        invalid(fmt::format("\"{}\" is not an order of the trainable parameters", kOrderKey));
+      }
+      seen[static_cast<size_t>(i)] = 1;
+      order.push_back(static_cast<size_t>(i));
+    }
+    const auto iteration = scalar(kIterationKey);
+    const auto rebuilt = scalar(kRebuiltKey);
+    build_buckets(order);
+    if (iteration) iteration_ = *iteration;
+    if (rebuilt) rebuilt_ = *rebuilt != 0;
+  }
+  const std::string prefix = "hook/" + hook_->name() + "/";
+  std::map<std::string, at::Tensor> hook_state;
+  for (const auto& [name, t] : state) {
+    if (name.compare(0, prefix.size(), prefix) == 0) hook_state[name.substr(prefix.size())] = t;
+  }
+  if (!hook_state.empty()) hook_->load_state(hook_state);
 }
 
 void DataParallel::Reducer::on_grad_ready(size_t i) {
@@ -358,7 +433,8 @@ std::exception_ptr DataParallel::Reducer::complete_communication(
   return failure;
 }
 
-void DataParallel::Reducer::backward(const at::Tensor& loss) {
+void DataParallel::Reducer::backward(const at::Tensor& loss, bool gradient_sync) {
+  sync_ = gradient_sync;
   steps_.check_usable("backward");
   ensure_grad_views();
   {
@@ -467,15 +543,21 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, Communicat
 DataParallel::~DataParallel() = default;
 
 void DataParallel::backward(const at::Tensor& loss) {
-  reducer_->sync_ = requires_gradient_sync();
-  reducer_->backward(loss);
+  reducer_->backward(loss, requires_gradient_sync());
 }
 std::vector<at::Tensor> DataParallel::parameters() { return reducer_->module_->parameters(); }
 std::vector<NamedParameter> DataParallel::named_parameters() {
   return module_named_parameters(*reducer_->module_);
 }
 StateLayout DataParallel::state_layout() {
-  return replicated_state_layout(*reducer_->module_, reducer_->comm_, "replicated (ddp)");
+  StateLayout layout =
+      replicated_state_layout(*reducer_->module_, reducer_->comm_, "replicated (ddp)");
+  layout.rank_state = reducer_->rank_state();
+  Reducer* reducer = reducer_.get();  // the layout is used while the strategy lives
+  layout.load_rank_state = [reducer](const std::map<std::string, at::Tensor>& state) {
+    reducer->load_rank_state(state);
+  };
+  return layout;
 }
 double DataParallel::grad_norm() { return reducer_->grad_norm(); }
 int64_t DataParallel::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {
@@ -484,10 +566,7 @@ int64_t DataParallel::model_state_bytes(const std::vector<at::Tensor>& optimizer
 const StepStats& DataParallel::last_step_stats() const { return reducer_->stats_; }
 int DataParallel::rank() const { return reducer_->comm_->rank(); }
 int DataParallel::world_size() const { return reducer_->comm_->world_size(); }
-void DataParallel::begin_forward() {
-  reducer_->sync_ = requires_gradient_sync();  // the bucket rebuild and a failed forward read it
-  reducer_->begin_forward();
-}
+void DataParallel::begin_forward() { reducer_->begin_forward(requires_gradient_sync()); }
 void DataParallel::end_forward(at::Tensor& /*output*/) { reducer_->end_forward(); }
 void DataParallel::forward_failed(std::exception_ptr error) noexcept {
   reducer_->forward_failed(std::move(error));

@@ -213,7 +213,15 @@ at::Tensor FlatParam::gather_input() const {
 
 void FlatParam::copy_shard_to_full() {
   c10::NoGradGuard no_grad;
-  at::Tensor input = gather_input();
+  copy_into_full(gather_input());
+}
+
+void FlatParam::copy_into_full(const at::Tensor& values) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor input = values.contiguous();
+  if (input.numel() != padded_ || input.scalar_type() != options_.param_dtype) {
+    throw InvalidArgument("FlatParam: copy_into_full needs the padded buffer in the compute dtype");
+  }
   // The parameters' version counters must not change (autograd would refuse the saved
   // views in backward): a raw copy on the CPU, elsewhere an ATen copy into variable_data(),
   // an alias with a version counter of its own (a host memcpy cannot read device memory).

@@ -126,6 +126,9 @@ class FlatParam {
   at::Tensor gather_input() const;
   // Without a shard group: full = the shard in the compute dtype (no copy when shared).
   void copy_shard_to_full();
+  // full = `values` (`padded` elements in the compute dtype), without touching the
+  // parameters' version counters.
+  void copy_into_full(const at::Tensor& values);
 
   // The parameters' gradients flattened into a new zero-padded buffer of `padded` elements
   // in `dtype` (parameters without a gradient contribute zeros); the parameters' .grad are

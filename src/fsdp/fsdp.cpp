@@ -15,6 +15,8 @@
 #include <set>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "amp/bf16_check.h"
 #include "dtrain/errors.h"
 #include "fsdp/active.h"
@@ -27,6 +29,21 @@ namespace dtrain {
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+// FsdpOptions::reshard_after_forward resolved against the sharding strategy.
+ReshardAfterForward after_forward(const FsdpOptions& options, const ErrorContext& ctx) {
+  const bool frees = options.sharding == ShardingStrategy::kFullShard ||
+                     options.sharding == ShardingStrategy::kHybridShard;
+  if (!options.reshard_after_forward) {
+    return frees ? ReshardAfterForward::kAll : ReshardAfterForward::kNone;
+  }
+  if (options.sharding == ShardingStrategy::kNoShard &&
+      *options.reshard_after_forward != ReshardAfterForward::kNone) {
+    throw InvalidArgument(ctx, "NO_SHARD keeps every parameter: reshard_after_forward must be "
+                               "unset or kNone");
+  }
+  return *options.reshard_after_forward;
+}
 
 fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& options,
                            const ErrorContext& ctx) {
@@ -63,7 +80,23 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
                                    std::to_string(options.quantization_block));
   }
   c.quantize_params = options.quantize_params;
+  c.quantize_grads = options.quantize_grads;
   c.quantization_block = options.quantization_block;
+  if (c.shard && after_forward(options, ctx) == ReshardAfterForward::kHost) {
+    if (!options.host_group) {
+      throw InvalidArgument(ctx, "reshard_after_forward kHost needs FsdpOptions::host_group (the "
+                                 "ranks of this host; see make_host_group)");
+    }
+    c.host_size = options.host_group->world_size();
+    c.host_rank = options.host_group->rank();
+    if (c.shard->world_size() % c.host_size != 0) {
+      throw InvalidArgument(
+          ctx, fmt::format("reshard_after_forward kHost: the host group's {} ranks must divide the "
+                           "shard group's {}",
+                           c.host_size, c.shard->world_size()));
+    }
+    if (c.host_size > 1) c.host = options.host_group;
+  }
   return c;
 }
 
@@ -93,7 +126,7 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
     amp::warn_if_bf16_emulated(options_.mixed_precision.cpu_check, "FullyShardedDataParallel");
   }
   fsdp::ScheduleOptions so;
-  so.sharding = options_.sharding;
+  so.after_forward = after_forward(options_, ctx("FullyShardedDataParallel()"));
   so.backward_prefetch = options_.backward_prefetch;
   so.forward_prefetch = options_.forward_prefetch;
   so.limit_all_gathers = options_.limit_all_gathers;

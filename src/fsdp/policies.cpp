@@ -41,6 +41,18 @@ HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int worl
   return g;
 }
 
+CommunicatorPtr make_host_group(std::shared_ptr<Store> store, int rank, int world_size,
+                                int local_world_size, const CommunicatorOptions& options) {
+  const ErrorContext ctx{rank, world_size, "make_host_group", -1};
+  if (local_world_size < 1 || world_size % local_world_size != 0) {
+    throw InvalidArgument(ctx, fmt::format("local world size {} does not divide world size {}",
+                                           local_world_size, world_size));
+  }
+  CommunicatorOptions host = options;
+  host.name = fmt::format("{}/host{}", options.name, rank / local_world_size);
+  return make_communicator(std::move(store), rank % local_world_size, local_world_size, host);
+}
+
 namespace fsdp {
 
 std::vector<UnitPlan> plan_units(const std::shared_ptr<torch::nn::Module>& module,

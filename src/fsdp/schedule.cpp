@@ -11,6 +11,8 @@
 #include <fmt/ranges.h>
 
 #include "comm/control_plane.h"
+#include "compress/quantized_all_gather.h"
+#include "compress/quantized_reduce_scatter.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::fsdp {
@@ -82,7 +84,10 @@ void Schedule::waited(Clock::duration d) {
 void Schedule::prefetch(int index, const char* why) {
   if (index <= 0 || index >= static_cast<int>(units_.size()) || !sharded()) return;
   Unit& u = units_[index];
-  if (u.param_state() != Unit::ParamState::kSharded) return;
+  if (u.param_state() != Unit::ParamState::kSharded &&
+      u.param_state() != Unit::ParamState::kShardedPostForward) {
+    return;
+  }
   int ahead = 0;
   for (size_t k = 1; k < units_.size(); ++k) {
     ahead += units_[k].param_state() == Unit::ParamState::kGathering;
@@ -153,11 +158,22 @@ void Schedule::exit_unit(int position, bool threw) {
   running_[forward_order_[position]] = 0;
   if (!frees_after_forward() || kept_for_later_call(position)) return;
   if (threw && u.param_state() != Unit::ParamState::kUnsharded) return;
-  u.reshard();
+  free_after_call(u, forward_reads_[position] != 0);
   // Nothing gathers the unit for this call's backward: a parameter autograd saved would be
   // read from freed memory. A version bump turns that into autograd's "modified by an inplace
   // operation" error (FSDP's backward names the cause).
   if (!forward_reads_[position] && sharded() && !threw) u.flat().bump_param_versions();
+}
+
+void Schedule::free_after_call(Unit& u, bool reads_in_backward) {
+  // Grad mode off: no backward follows, nothing will gather from the host pieces. The same
+  // on every rank, as are the other inputs, so all ranks free alike.
+  if (options_.after_forward == ReshardAfterForward::kHost && sharded() && reads_in_backward &&
+      c10::GradMode::is_enabled()) {
+    u.reshard_to_host();
+  } else {
+    u.reshard();
+  }
 }
 
 void Schedule::hook_outputs(int position, const std::vector<at::Tensor>& outputs) {
@@ -264,7 +280,10 @@ void Schedule::pre_backward(int position) {
   std::lock_guard<std::mutex> lock(mu_);
   if (phase_ != Phase::kArmed) return;  // a hook firing outside the strategy's backward
   Unit& u = units_[recorded_order_[position]];
-  if (u.param_state() == Unit::ParamState::kSharded) u.unshard("");
+  if (u.param_state() == Unit::ParamState::kSharded ||
+      u.param_state() == Unit::ParamState::kShardedPostForward) {
+    u.unshard("");
+  }
   // Backward runs units in reverse forward order: the next one to need its parameters
   // is the unit before this one in the forward order, unless that call's backward reads none.
   const int next = position > 0 && recorded_reads_[position - 1] ? recorded_order_[position - 1] : -1;
@@ -335,20 +354,42 @@ void Schedule::replay(const std::vector<Issued>& ops, size_t from) {
     const auto reduce = f.full().options().dtype(comms_.reduce_dtype);
     switch (ops[k].kind) {
       case Collective::kAllGather:
-        comms_.shard->all_gather(at::empty({f.padded()}, param), at::zeros({f.shard_numel()}, param))
-            ->wait();
+        // As the peers issue it: quantised on the wire when they quantise.
+        if (comms_.quantize_params != Quantization::kNone) {
+          detail::quantized_all_gather(*comms_.shard, at::empty({f.padded()}, param),
+                                       at::zeros({f.shard_numel()}, param), comms_.quantize_params,
+                                       comms_.quantization_block, nullptr)
+              ->wait();
+        } else {
+          comms_.shard->all_gather(at::empty({f.padded()}, param), at::zeros({f.shard_numel()}, param))
+              ->wait();
+        }
         record("all_gather:" + name + " (replay)");
         break;
       case Collective::kReduceScatter:
-        comms_.shard
-            ->reduce_scatter(at::empty({f.shard_numel()}, reduce), at::zeros({f.padded()}, reduce),
-                             ReduceOp::kAvg)
-            ->wait();
+        if (comms_.quantize_grads != Quantization::kNone) {
+          detail::quantized_reduce_scatter(*comms_.shard, at::empty({f.shard_numel()}, reduce),
+                                           at::zeros({f.padded()}, reduce), comms_.quantize_grads,
+                                           comms_.quantization_block, nullptr)
+              ->wait();
+        } else {
+          comms_.shard
+              ->reduce_scatter(at::empty({f.shard_numel()}, reduce), at::zeros({f.padded()}, reduce),
+                               ReduceOp::kAvg)
+              ->wait();
+        }
         record("reduce_scatter:" + name + " (replay)");
         break;
       case Collective::kAllReduce:
         comms_.replicate->all_reduce(at::zeros({f.shard_numel()}, reduce), ReduceOp::kAvg)->wait();
         record("all_reduce:" + name + " (replay)");
+        break;
+      case Collective::kHostAllGather:
+        comms_.host
+            ->all_gather(at::empty({f.padded()}, param),
+                         at::zeros({f.padded() / comms_.host_size}, param))
+            ->wait();
+        record("all_gather_host:" + name + " (replay)");
         break;
     }
   }
@@ -363,7 +404,9 @@ void Schedule::finish_forward_as_peers_do() {
     if (options_.forward_prefetch && position + 1 < recorded_order_.size()) {
       prefetch(recorded_order_[position + 1], " (prefetch)");
     }
-    if (frees_after_forward() && !kept_for_later_call(position)) u.reshard();
+    if (frees_after_forward() && !kept_for_later_call(position)) {
+      free_after_call(u, recorded_reads_[position] != 0);
+    }
   }
 }
 

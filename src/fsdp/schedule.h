@@ -67,7 +67,9 @@ class Module;
 namespace dtrain::fsdp {
 
 struct ScheduleOptions {
-  ShardingStrategy sharding = ShardingStrategy::kFullShard;
+  // After a unit's forward (FsdpOptions::reshard_after_forward, resolved): kHost only with
+  // a shard group.
+  ReshardAfterForward after_forward = ReshardAfterForward::kAll;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
   int limit_all_gathers = 2;
@@ -173,10 +175,10 @@ class Schedule final : private UnitObserver {
 
  private:
   bool sharded() const { return comms_.shard != nullptr; }
-  bool frees_after_forward() const {
-    return options_.sharding == ShardingStrategy::kFullShard ||
-           options_.sharding == ShardingStrategy::kHybridShard;
-  }
+  bool frees_after_forward() const { return options_.after_forward != ReshardAfterForward::kNone; }
+  // Frees the unit after a call (frees_after_forward()): to the host pieces under kHost when
+  // the call's backward will gather it (`reads_in_backward`, grad mode on), else fully.
+  void free_after_call(Unit& u, bool reads_in_backward);
   // Whether the unit of the forward's call at `position` stays gathered after it, for a later
   // call of the same unit in this forward (keep_gathered_between_calls; from the recorded
   // order, so every rank decides alike).

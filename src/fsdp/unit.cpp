@@ -9,6 +9,7 @@
 
 #include "compat/torch_compat.h"
 #include "compress/quantized_all_gather.h"
+#include "compress/quantized_reduce_scatter.h"
 
 namespace dtrain::fsdp {
 
@@ -17,6 +18,7 @@ using Clock = std::chrono::steady_clock;
 const char* Unit::name_of(ParamState s) {
   switch (s) {
     case ParamState::kSharded: return "SHARDED";
+    case ParamState::kShardedPostForward: return "SHARDED_POST_FORWARD";
     case ParamState::kGathering: return "GATHERING";
     case ParamState::kUnsharded: return "UNSHARDED";
   }
@@ -91,6 +93,10 @@ void Unit::collective(Fn&& fn) {
 // --- parameters ---
 
 void Unit::unshard(const char* why) {
+  if (state_ == ParamState::kShardedPostForward) {
+    unshard_from_host(why);
+    return;
+  }
   expect("unshard", ParamState::kSharded);
   c10::NoGradGuard no_grad;
   flat_.refill();
@@ -115,6 +121,26 @@ void Unit::unshard(const char* why) {
   observer_->record(fmt::format("all_gather:{}{}", name_, why));
 }
 
+// The parameters did not change since the forward that left the host pieces (the shards are
+// stepped only after backward), so gathering them back gives full's forward contents exactly.
+void Unit::unshard_from_host(const char* why) {
+  c10::NoGradGuard no_grad;
+  flat_.refill();
+  if (!comms_->host) {
+    flat_.copy_into_full(host_piece_);
+    host_piece_ = at::Tensor();
+    state_ = ParamState::kUnsharded;
+  } else {
+    gather_input_ = std::move(host_piece_);
+    host_piece_ = at::Tensor();
+    collective([&] { gather_work_ = comms_->host->all_gather(flat_.full(), gather_input_); });
+    observer_->issued(Collective::kHostAllGather, index_,
+                      static_cast<int64_t>(gather_input_.nbytes()));
+    state_ = ParamState::kGathering;
+  }
+  observer_->record(fmt::format("all_gather_host:{}{}", name_, why));
+}
+
 void Unit::wait_unsharded() {
   expect("wait_unsharded", ParamState::kGathering);
   const auto start = Clock::now();
@@ -131,14 +157,27 @@ void Unit::reshard() {
   state_ = ParamState::kSharded;
 }
 
+void Unit::reshard_to_host() {
+  expect("reshard_to_host", ParamState::kUnsharded);
+  c10::NoGradGuard no_grad;
+  const int64_t piece = flat_.padded() / comms_->host_size;
+  host_piece_ = flat_.full().detach().narrow(0, comms_->host_rank * piece, piece).clone();
+  flat_.release();
+  state_ = ParamState::kShardedPostForward;
+}
+
 void Unit::ensure_unsharded() {
-  if (state_ == ParamState::kSharded) unshard("");
+  if (state_ == ParamState::kSharded || state_ == ParamState::kShardedPostForward) unshard("");
   if (state_ == ParamState::kGathering) wait_unsharded();
 }
 
 void Unit::reshard_any() {
   if (state_ == ParamState::kGathering) wait_unsharded();
   if (state_ == ParamState::kUnsharded) reshard();
+  if (state_ == ParamState::kShardedPostForward) {
+    host_piece_ = at::Tensor();
+    state_ = ParamState::kSharded;
+  }
 }
 
 // --- gradient ---
@@ -183,9 +222,18 @@ void Unit::launch_reduction() {
   }
   if (comms_->shard) {
     reduce_out_ = at::empty({flat_.shard_numel()}, flat.options());
-    collective(
-        [&] { reduce_work_ = comms_->shard->reduce_scatter(reduce_out_, flat, ReduceOp::kAvg); });
-    observer_->issued(Collective::kReduceScatter, index_, static_cast<int64_t>(flat.nbytes()));
+    int64_t bytes = static_cast<int64_t>(flat.nbytes());
+    if (comms_->quantize_grads != Quantization::kNone) {
+      collective([&] {
+        reduce_work_ = detail::quantized_reduce_scatter(*comms_->shard, reduce_out_, flat,
+                                                        comms_->quantize_grads,
+                                                        comms_->quantization_block, &bytes);
+      });
+    } else {
+      collective(
+          [&] { reduce_work_ = comms_->shard->reduce_scatter(reduce_out_, flat, ReduceOp::kAvg); });
+    }
+    observer_->issued(Collective::kReduceScatter, index_, bytes);
     observer_->record("reduce_scatter:" + name_);
   } else {
     reduce_out_ = flat;
@@ -246,6 +294,7 @@ void Unit::reset() {
     }
   }
   gather_input_ = at::Tensor();
+  host_piece_ = at::Tensor();
   reduce_out_ = at::Tensor();
   held_ = at::Tensor();
   if (state_ != ParamState::kSharded) {

@@ -7,12 +7,18 @@
 // Parameters (ParamState):
 //   SHARDED    only the fp32 shard is current; full has no memory (sharded) or stale contents
 //              (one shard: refreshed at the next unshard)
+//   SHARDED_POST_FORWARD  (ReshardAfterForward::kHost) full has no memory; this rank keeps
+//              its 1/L of full (L: ranks of its host), so that the next gather stays
+//              inside the host
 //   GATHERING  an all-gather into full is in flight
 //   UNSHARDED  full holds the current parameters; the module computes with them
 //
-//   unshard()         SHARDED   -> GATHERING  (-> UNSHARDED at once without a shard group)
-//   wait_unsharded()  GATHERING -> UNSHARDED
-//   reshard()         UNSHARDED -> SHARDED    (frees full's memory when sharded)
+//   unshard()            SHARDED   -> GATHERING  (-> UNSHARDED at once without a shard group)
+//                        SHARDED_POST_FORWARD -> GATHERING (over the host; -> UNSHARDED at
+//                        once for one rank per host)
+//   wait_unsharded()     GATHERING -> UNSHARDED
+//   reshard()            UNSHARDED -> SHARDED    (frees full's memory when sharded)
+//   reshard_to_host()    UNSHARDED -> SHARDED_POST_FORWARD (copies the host piece, frees full)
 //
 // Gradient (GradState), within one backward:
 //   IDLE          no backward in progress
@@ -67,14 +73,21 @@ namespace dtrain::fsdp {
 struct UnitComms {
   CommunicatorPtr shard;      // null: one shard, nothing to gather or reduce-scatter
   CommunicatorPtr replicate;  // null: no replicas to all-reduce over
+  // ReshardAfterForward::kHost: the ranks of this host (null: one), over which a unit in
+  // SHARDED_POST_FORWARD is gathered. Its size divides the shard group's.
+  CommunicatorPtr host;
+  int host_size = 1, host_rank = 0;
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
   // The parameters' all-gather over `shard` quantised on the wire (FsdpOptions).
   Quantization quantize_params = Quantization::kNone;
+  // The gradients' reduce-scatter over `shard` quantised on the wire, reduced in fp32.
+  Quantization quantize_grads = Quantization::kNone;
   int64_t quantization_block = kDefaultQuantizationBlock;
   int rank = 0, world_size = 1;  // of the whole job, for messages
 };
 
-enum class Collective { kAllGather, kReduceScatter, kAllReduce };
+// kHostAllGather: a SHARDED_POST_FORWARD unit's gather over UnitComms::host.
+enum class Collective { kAllGather, kReduceScatter, kAllReduce, kHostAllGather };
 
 // What a unit reports while it moves: the schedule logs collectives, counts their bytes,
 // remembers them for replay after a failure, and learns that the step's collective stream
@@ -94,7 +107,7 @@ class UnitObserver {
 
 class Unit {
  public:
-  enum class ParamState { kSharded, kGathering, kUnsharded };
+  enum class ParamState { kSharded, kShardedPostForward, kGathering, kUnsharded };
   enum class GradState { kIdle, kAccumulating, kHeld, kReducing, kReplicating, kReduced };
   static const char* name_of(ParamState s);
   static const char* name_of(GradState s);
@@ -124,11 +137,12 @@ class Unit {
   void unshard(const char* why);
   void wait_unsharded();
   void reshard();
+  void reshard_to_host();
   // unshard() unless a gather is under way or done, then wait: what a unit needs before it
   // computes.
   void ensure_unsharded();
   // reshard() from any state; a gather in flight is waited for first (its buffer is never
-  // freed while a collective writes it).
+  // freed while a collective writes it). SHARDED_POST_FORWARD drops the host piece.
   void reshard_any();
 
   // --- gradient transitions ---
@@ -156,6 +170,8 @@ class Unit {
   // match its peers'.
   template <typename Fn>
   void collective(Fn&& fn);
+  // unshard() from SHARDED_POST_FORWARD.
+  void unshard_from_host(const char* why);
 
   int index_;
   std::string name_;
@@ -167,6 +183,7 @@ class Unit {
   ParamState state_ = ParamState::kUnsharded;
   WorkPtr gather_work_;      // GATHERING only
   at::Tensor gather_input_;  // kept alive while gather_work_ runs
+  at::Tensor host_piece_;    // SHARDED_POST_FORWARD: this rank's 1/host_size of full
 
   GradState grad_ = GradState::kIdle;
   int pending_ = 0;

@@ -302,6 +302,31 @@ void expect_internal_error(const std::function<void()>& fn, const std::string& m
   }
 }
 
+// ReshardAfterForward::kHost's state: the host piece comes back into full exactly, and the
+// transitions around SHARDED_POST_FORWARD check where they start from.
+TEST(FsdpUnit, ShardedPostForwardGathersTheHostPieceBack) {
+  UnitComms comms;  // one rank per host: the piece is the whole unit, gathered by a copy
+  Recorder rec;
+  Unit u(1, "h0", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{1, 0, at::kBFloat16}),
+         &comms, &rec);
+  const at::Tensor before = u.flat().full().clone();
+  u.reshard_to_host();
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kShardedPostForward);
+  expect_internal_error([&] { u.reshard(); },
+                        "unit 'h0' is SHARDED_POST_FORWARD, reshard needs UNSHARDED");
+  expect_internal_error([&] { u.reshard_to_host(); },
+                        "is SHARDED_POST_FORWARD, reshard_to_host needs UNSHARDED");
+  u.flat().full().detach().zero_();  // what comes back must come from the piece
+  u.ensure_unsharded();
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kUnsharded);
+  EXPECT_TRUE(at::equal(u.flat().full(), before));
+  EXPECT_EQ(rec.entries, std::vector<std::string>{"all_gather_host:h0"});
+  u.reshard_to_host();
+  u.reshard_any();  // drops the piece
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kSharded);
+  EXPECT_EQ(rec.failures, 2);
+}
+
 TEST(FsdpUnit, TransitionsCheckWhereTheyStartFrom) {
   UnitComms comms;  // no groups: gathering is a local copy
   Recorder rec;

@@ -10,7 +10,9 @@
 // stops, creating out_path/../paused.<rank>), "listen" (hold TCP port <timeout_ms> on every interface,
 // accepting and never answering, for 30 s: a program other than the job's store on the
 // master's port), "desync_size" (rank r all-reduces 1024 >> r floats: ranks disagree),
-// "grad_scaler_*" and "autocast_*" (mixed precision, amp_scenarios.h).
+// "grad_scaler_*" and "autocast_*" (mixed precision, amp_scenarios.h), "fsdp_reshard_all" /
+// "fsdp_reshard_host" (FSDP training with ReshardAfterForward kAll / kHost, hosts of
+// LOCAL_WORLD_SIZE ranks; rank 0 writes the full parameters, raw fp32, to out_path).
 // Exit codes: 0 ok, 3 dtrain::CommError, 4 dtrain::TimeoutError, 5 dtrain::DesyncError,
 // 1 other.
 #include <ATen/ATen.h>
@@ -27,6 +29,7 @@
 #include "amp_scenarios.h"
 #include "checkpoint_writer.h"
 #include "dtrain/errors.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/rendezvous.h"
 #include "strategy/training.h"
 
@@ -86,7 +89,18 @@ int main(int argc, char** argv) {
   o.timeout = std::chrono::milliseconds(std::stoi(argv[2]));
   try {
     auto info = dtrain::LaunchInfo::from_env();
-    auto comm = dtrain::init_communicator(info, o);
+    // The FSDP resharding scenarios build a host group too, through the job's store.
+    const bool reshard = scenario == "fsdp_reshard_all" || scenario == "fsdp_reshard_host";
+    std::shared_ptr<dtrain::Store> store;
+    dtrain::CommunicatorPtr comm;
+    if (reshard && info.world_size > 1) {
+      info.validate();
+      store = dtrain::connect_store(info, info.communicator_options(o).timeout);
+      comm = dtrain::make_communicator(store, info.rank, info.world_size,
+                                       info.communicator_options(o));
+    } else {
+      comm = dtrain::init_communicator(info, o);
+    }
     if (argc == 4 && dtrain::testing::run_amp_scenario(scenario, comm, argv[3])) {
       // grad_scaler_* and autocast_*: tests/worker/amp_scenarios.h
     } else if (scenario == "collectives") {
@@ -109,6 +123,35 @@ int main(int argc, char** argv) {
         std::fwrite(t.data_ptr<float>(), sizeof(float), static_cast<size_t>(t.numel()), f);
       }
       std::fclose(f);
+    } else if (reshard && argc == 4) {
+      // FULL_SHARD over the job, hosts of LOCAL_WORLD_SIZE ranks; rank 0 writes the full
+      // parameters (raw fp32, module order) after training.
+      using namespace dtrain::testing;
+      at::set_num_threads(1);
+      Case c;
+      c.model = Model::kTransformer;
+      c.opt = Opt::kAdamW;
+      const auto data = make_data(c.model, info.world_size);
+      auto module = make_model(c.model, 7);
+      dtrain::FsdpOptions fo;
+      fo.wrap_policy = dtrain::wrap_modules_named("BlockImpl");
+      if (scenario == "fsdp_reshard_host" && store) {
+        fo.reshard_after_forward = dtrain::ReshardAfterForward::kHost;
+        fo.host_group = dtrain::make_host_group(store, info.rank, info.world_size,
+                                                info.local_world_size, info.communicator_options(o));
+      }
+      dtrain::FullyShardedDataParallel fsdp(module, comm, fo);
+      train(c, fsdp, *module, data, info.rank * kLocalBatch, kLocalBatch, &fsdp);
+      const auto state = fsdp.full_state_dict();
+      if (info.rank == 0) {
+        std::FILE* f = std::fopen(argv[3], "wb");
+        if (f == nullptr) throw std::runtime_error(std::string("cannot write ") + argv[3]);
+        for (const auto& [name, t] : state) {
+          const at::Tensor v = t.detach().to(at::kFloat).contiguous();
+          std::fwrite(v.data_ptr<float>(), sizeof(float), static_cast<size_t>(v.numel()), f);
+        }
+        std::fclose(f);
+      }
     } else if (scenario == "sharded_checkpoint_writer" && argc == 4) {
       const char* pause = std::getenv("DTRAIN_TEST_PAUSE_AT");
       const char* pause_rank = std::getenv("DTRAIN_TEST_PAUSE_RANK");

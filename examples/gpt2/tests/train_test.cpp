@@ -272,6 +272,15 @@ TEST_F(TrainerTest, QuantizedGradientsStayClose) {
   expect_same_curve(*single_, grads, 2e-2);
 }
 
+// int8 gradient reduce-scatters (FSDP) stay close to fp32 training, as DDP's do.
+TEST_F(TrainerTest, FsdpQuantizedGradientsStayClose) {
+  RunResult grads = run_trainer(
+      "fsdp_int8_grads", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
+                                              "--quantize_grads=int8"}));
+  EXPECT_NE(grads.output.find("gradients int8 on the wire"), std::string::npos) << grads.output;
+  expect_same_curve(*single_, grads, 2e-2);
+}
+
 // int8 parameter gathers (FSDP) stay close to fp32 training. A block of 256 values of a
 // unit's flat parameters can mix a LayerNorm weight (about 1) with biases (about 0.01), whose
 // quantisation step is then 1/127: the gradient norm moves more than the loss. Measured here:
@@ -765,7 +774,9 @@ TEST(TrainerErrors, CompressionFlagsAreChecked) {
       {{"--strategy=ddp", "--comm_hook=powersgd", "--powersgd_rank=0"}, "--powersgd_rank must be >= 1"},
       {{"--strategy=ddp", "--powersgd_start_iter=1"}, "--powersgd_start_iter must be >= 2"},
       {{"--strategy=ddp", "--quantize_grads=int4"}, "--quantize_grads must be int8, bf16 or none"},
-      {{"--strategy=fsdp", "--quantize_grads=int8"}, "--quantize_grads is implemented for --strategy ddp only"},
+      {{"--strategy=single", "--quantize_grads=int8"}, "--quantize_grads applies to --strategy ddp or fsdp"},
+      {{"--strategy=ddp", "--reshard_after_forward=host"}, "--reshard_after_forward applies to --strategy fsdp"},
+      {{"--strategy=fsdp", "--reshard_after_forward=rack"}, "--reshard_after_forward must be all, host or none"},
       {{"--strategy=ddp", "--quantize_grads=bf16", "--comm_hook=fp16"}, "leave --comm_hook at allreduce"},
       {{"--strategy=ddp", "--quantize_params=int8"}, "--quantize_params applies to --strategy fsdp"},
   };
