@@ -7,6 +7,7 @@
 #include <torch/optim/sgd.h>
 
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,9 @@ std::vector<std::vector<at::Tensor>> run(const Data& d, Resume resume, Checkpoin
   at::set_num_threads(1);
   TempDir dir("psgd_ckpt");
   std::vector<std::vector<at::Tensor>> out(kWorld);
+  // The ranks are threads and LibTorch's default generator is one per process: a seeded
+  // construction must not interleave with the other rank's, or the initial values vary.
+  std::mutex init_mu;
   run_ranks(kWorld, [&](Communicator& comm) {
     const int r = comm.rank();
     auto shared = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
@@ -69,8 +73,11 @@ std::vector<std::vector<at::Tensor>> run(const Data& d, Resume resume, Checkpoin
     };
     auto start = [&](uint64_t init_seed) {
       Run x;
-      torch::manual_seed(init_seed);
-      x.model = Mlp(32, 64, 8).ptr();
+      {
+        std::lock_guard<std::mutex> lock(init_mu);
+        torch::manual_seed(init_seed);
+        x.model = Mlp(32, 64, 8).ptr();
+      }
       x.hook = powersgd_hook(psgd_options());
       DataParallelOptions o;
       o.comm_hook = x.hook;
