@@ -289,4 +289,9 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
   return FusedLmLoss::apply(h, weight, t, chunk, mm);
 }
 
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  const int64_t V = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat), targets.reshape({-1}));
+}
+
 }  // namespace gpt2
