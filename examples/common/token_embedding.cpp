@@ -38,8 +38,8 @@ at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positi
                         const at::Tensor& idx, int64_t context, const char* model) {
   const int64_t T = idx.size(1);
   if (T > context) {
-    throw dtrain::InvalidArgument(fmt::format(
-        "{} forward: sequence of {} tokens exceeds the context {}", model, T, context));
+    throw dtrain::InvalidArgument(
+        fmt::format("{} forward: sequence of {} tokens exceeds the context {}", model, T, context));
   }
   at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
   // Sparse: the dense backward would zero and fill a [vocab, dim] table (147 MiB for

@@ -3,8 +3,8 @@
 #include <algorithm>
 
 #include "bert_model.h"
-#include "mlm_data.h"
 #include "dtrain/attention.h"
+#include "mlm_data.h"
 #include "model.h"
 
 namespace gpt2 {

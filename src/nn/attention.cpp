@@ -22,8 +22,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 at::Tensor explicit_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const AttentionOptions& options) {
-  return compat::explicit_attention(q, k, v, mask_of(options), options.causal,
-                                    options.dropout_p);
+  return compat::explicit_attention(q, k, v, mask_of(options), options.causal, options.dropout_p);
 }
 
 bool has_fused_attention() { return compat::kHasFusedAttention; }

@@ -9,9 +9,9 @@
 #include <fstream>
 #include <map>
 
-#include "dtrain/safetensors.h"
 #include "dtrain/attention.h"
 #include "dtrain/errors.h"
+#include "dtrain/safetensors.h"
 #include "hf_weights.h"
 #include "model.h"
 
@@ -198,9 +198,9 @@ AttentionGrads attention_grads(Fn fn, const at::Tensor& q0, const at::Tensor& k0
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
-// Both paths of dtrain/attention.h (ATen's fused kernel on 2.x, the explicit fallback always) against the
-// reference, in fp32: the fp32 results may differ from the double reference by round-off
-// only, bounded here by rtol 1e-5 and atol 1e-6 for outputs and gradients alike.
+// Both paths of dtrain/attention.h (ATen's fused kernel on 2.x, the explicit fallback always)
+// against the reference, in fp32: the fp32 results may differ from the double reference by
+// round-off only, bounded here by rtol 1e-5 and atol 1e-6 for outputs and gradients alike.
 TEST(Attention, FusedAndExplicitMatchAReferenceWithCausalAndPaddingMasks) {
   at::manual_seed(5);
   const int64_t B = 2, H = 3, T = 7, d = 8;
@@ -221,14 +221,10 @@ TEST(Attention, FusedAndExplicitMatchAReferenceWithCausalAndPaddingMasks) {
           },
           q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), w);
       const auto fused = attention_grads(
-          [&](auto& a, auto& b, auto& c) {
-            return dtrain::attention(a, b, c, options);
-          },
-          q, k, v, w);
+          [&](auto& a, auto& b, auto& c) { return dtrain::attention(a, b, c, options); }, q, k, v,
+          w);
       const auto expl = attention_grads(
-          [&](auto& a, auto& b, auto& c) {
-            return dtrain::explicit_attention(a, b, c, options);
-          },
+          [&](auto& a, auto& b, auto& c) { return dtrain::explicit_attention(a, b, c, options); },
           q, k, v, w);
       for (const auto* got : {&fused, &expl}) {
         const char* which = got == &fused ? "fused" : "explicit";
