@@ -6,7 +6,7 @@
 // OpenBLAS picks its kernel when it loads, so kernels are compared run by run:
 //   dtrain_bench_sgemm --benchmark_filter='sgemm/n:1024/'
 //   OPENBLAS_CORETYPE=Prescott dtrain_bench_sgemm --benchmark_filter='sgemm/n:1024/'
-// (docs/blas.md, docs/benchmarks.md).
+// (docs/blas.md, docs/benchmarks-history.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>

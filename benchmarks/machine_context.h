@@ -1,7 +1,7 @@
 // The machine a single-process benchmark ran on, in Google Benchmark's context header: the
 // CPU and its vector features, the active BLAS and kernel, the user's OPENBLAS_CORETYPE and
-// the best kernel family for this CPU (docs/blas.md). Every number in docs/benchmarks.md
-// carries these.
+// the best kernel family for this CPU (docs/blas.md). Every number in docs/benchmarks.md and
+// docs/benchmarks-history.md carries these.
 #pragma once
 
 #include <benchmark/benchmark.h>

@@ -48,7 +48,7 @@ peer_same_blas_kernel
 dt=(--model tiny --data random --batch 8 --steps "$steps" --val_every 0 --sample_tokens 0 --seed 1)
 # PyTorch runs with the malloc setting gpt2_train applies to itself (--malloc_tuning: 4 MiB
 # mmap/trim thresholds, huge pages), so the comparison measures training, not page faults
-# (docs/benchmarks.md, "Host memory"). TORCH_MALLOC=default: PyTorch as it starts.
+# (docs/benchmarks-history.md, "Host memory"). TORCH_MALLOC=default: PyTorch as it starts.
 torch_env=()
 if [ "${TORCH_MALLOC:-dtrain}" = dtrain ] && [ -z "${GLIBC_TUNABLES:-}" ]; then
   torch_env=(env GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=4194304)

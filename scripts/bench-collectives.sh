@@ -6,7 +6,7 @@
 #   overlap.json|.csv             the same for the overlap benchmark
 #   busbw_<op>_np<N>.dat          bytes, algbw GB/s, busbw GB/s, mean and median time per
 #                                 call in us (the plot's input)
-#   tables.md                     Markdown tables as used in docs/benchmarks.md
+#   tables.md                     Markdown tables as used in docs/benchmarks-history.md
 #   busbw.png                     bus bandwidth vs message size (benchmarks/plot_busbw.gp)
 #   env.txt                       machine, date, versions, the commands that ran
 #

@@ -166,7 +166,7 @@ ABSL_FLAG(int64_t, loss_scale_interval, 2000,
 ABSL_FLAG(std::string, loss, "fused",
           "How the LM head's cross-entropy is computed. fused: chunk by chunk of rows with the "
           "gradients formed in place, never materializing the [batch, context, vocab] logits "
-          "(examples/gpt2/lm_head_loss.h) | standard: logits, then cross_entropy (autograd "
+          "(examples/common/lm_head_loss.h) | standard: logits, then cross_entropy (autograd "
           "through both). Same loss and gradients up to fp32 rounding.");
 ABSL_FLAG(std::string, comm_hook, "allreduce",
           "How gradients are reduced. ddp: allreduce (average in fp32) | fp16 | bf16 (compress "

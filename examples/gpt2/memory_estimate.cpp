@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "bert_model.h"
-#include "compat/attention.h"
+#include "dtrain/attention.h"
 #include "mlm_data.h"
 #include "model.h"
 
@@ -51,7 +51,7 @@ dtrain::ModelMemory model_memory(const Config& c, int64_t vocab) {
     m.activation_bytes =
         transformer_activation_bytes(c.batch, g.context, g.layers, d, 4 * d, g.heads, cb,
                                      g.activation_checkpointing,
-                                     g.fused_attention && dtrain::compat::kHasFusedAttention) +
+                                     g.fused_attention && dtrain::has_fused_attention()) +
         lm_loss_bytes(c.batch * g.context, vocab, cb, c.fused_loss());
     return m;
   }
@@ -66,7 +66,7 @@ dtrain::ModelMemory model_memory(const Config& c, int64_t vocab) {
   m.activation_bytes =
       transformer_activation_bytes(c.batch, b.context, b.layers, d, f, b.heads, cb,
                                    b.activation_checkpointing,
-                                   b.fused_attention && dtrain::compat::kHasFusedAttention) +
+                                   b.fused_attention && dtrain::has_fused_attention()) +
       lm_loss_bytes(predicted, vocab, cb, c.fused_loss());
   return m;
 }

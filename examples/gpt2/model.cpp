@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -10,8 +9,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "compat/attention.h"
 #include "dtrain/activation_checkpoint.h"
+#include "dtrain/attention.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "lm_head_loss.h"
@@ -29,28 +28,6 @@ at::Tensor linear(const at::Tensor& x, const torch::nn::Linear& l) {
 torch::nn::LayerNorm layer_norm(int64_t dim) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim}).eps(1e-5));
 }
-
-// The table's rows for `idx` with a sparse gradient: at::embedding(..., sparse=true), except
-// that autograd keeps only the indices and the row count. LibTorch 1.13's own embedding node
-// also keeps the table (for its row count), so its backward would count as reading the
-// table, and FSDP would have to gather it for that (dtrain::ParamsInBackward).
-struct TokenLookup : torch::autograd::Function<TokenLookup> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& table,
-                            const at::Tensor& idx) {
-    ctx->save_for_backward({idx});
-    ctx->saved_data["rows"] = table.size(0);
-    return at::embedding(table, idx, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false,
-                         /*sparse=*/true);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad) {
-    const at::Tensor idx = ctx->get_saved_variables()[0];
-    return {at::embedding_backward(grad[0], idx, ctx->saved_data["rows"].toInt(),
-                                   /*padding_idx=*/-1, /*scale_grad_by_freq=*/false,
-                                   /*sparse=*/true),
-            at::Tensor()};
-  }
-};
 
 }  // namespace
 
@@ -118,8 +95,10 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   at::Tensor q = to_heads(qkv[0]), k = to_heads(qkv[1]), v = to_heads(qkv[2]);
   // Either way the softmax runs in fp32 even when the model computes in bf16 (FSDP mixed
   // precision): the fused kernels accumulate in fp32 too.
-  at::Tensor y = fused ? dtrain::compat::fused_attention(q, k, v, c10::nullopt, /*causal=*/true)
-                       : dtrain::compat::explicit_attention(q, k, v, c10::nullopt, /*causal=*/true);
+  dtrain::AttentionOptions causal;
+  causal.causal = true;
+  at::Tensor y =
+      fused ? dtrain::attention(q, k, v, causal) : dtrain::explicit_attention(q, k, v, causal);
   y = y.transpose(1, 2).reshape({B, T, C});
   return linear(y, c_proj);
 }
@@ -231,20 +210,6 @@ at::Tensor GptImpl::loss(const at::Tensor& idx, const at::Tensor& targets, bool 
       dtrain::ParamsInBackward::kNotRead);
 }
 
-at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
-                        const at::Tensor& idx, int64_t context, const char* model) {
-  const int64_t T = idx.size(1);
-  if (T > context) {
-    throw dtrain::InvalidArgument(fmt::format(
-        "{} forward: sequence of {} tokens exceeds the context {}", model, T, context));
-  }
-  at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
-  // Sparse: the dense backward would zero and fill a [vocab, dim] table (147 MiB for
-  // GPT-2 small) only to add it to the tied head's gradient (see model.h).
-  at::Tensor tok = TokenLookup::apply(tokens->weight, idx);
-  return tok + positions->forward(pos);
-}
-
 at::Tensor GptImpl::hidden(const at::Tensor& idx) {
   // The token lookup's backward needs only idx (embed_tokens): with wte a unit of its own
   // (GptTask under FSDP), the table is not gathered for it.
@@ -261,11 +226,6 @@ at::Tensor GptImpl::hidden(const at::Tensor& idx) {
     });
   }
   return ln_f->forward(x);
-}
-
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  const int64_t V = logits.size(-1);
-  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat), targets.reshape({-1}));
 }
 
 }  // namespace gpt2

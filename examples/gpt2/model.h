@@ -25,6 +25,9 @@
 #include <vector>
 
 #include "dtrain/deferred_init.h"
+// embed_tokens and lm_loss, shared with the BERT example (examples/common).
+#include "lm_head_loss.h"
+#include "token_embedding.h"
 
 namespace gpt2 {
 
@@ -144,18 +147,5 @@ struct GptImpl : torch::nn::Module {
   GptConfig config_;
 };
 TORCH_MODULE(Gpt);
-
-// Token plus learned position embeddings [B, T, dim] of int64 ids [B, T], for GPT-2 and
-// BERT alike. Throws dtrain::InvalidArgument naming `model` when T exceeds `context`.
-// `tokens` must be tied to the model's output head (as in both models): its table's
-// gradient is computed sparse (B*T rows, not a zero-filled [vocab, dim] table) and
-// autograd adds it in place to the head's dense gradient for the same weight, so .grad
-// stays dense. Without a head using the weight .grad would be sparse.
-at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
-                        const at::Tensor& idx, int64_t context, const char* model);
-
-// Mean cross-entropy of `logits` [B, T, V] against `targets` [B, T], computed in fp32
-// whatever the logits' dtype.
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
 
 }  // namespace gpt2

@@ -15,7 +15,7 @@
 //
 // The same probe says whether the CPU computes bf16 natively (CpuFeatures::native_bf16()):
 // without avx512_bf16 or AMX-BF16, bf16 mixed precision converts every value in software and
-// runs many times slower than fp32 (docs/benchmarks.md, "bf16 vs fp32 by CPU class").
+// runs many times slower than fp32 (docs/benchmarks-history.md, "bf16 vs fp32 by CPU class").
 #pragma once
 
 #include <map>

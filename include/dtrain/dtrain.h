@@ -2,6 +2,7 @@
 #pragma once
 
 #include "dtrain/activation_checkpoint.h"
+#include "dtrain/attention.h"
 #include "dtrain/autocast.h"
 #include "dtrain/blas.h"
 #include "dtrain/checkpoint.h"

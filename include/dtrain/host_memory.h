@@ -4,10 +4,10 @@
 // every large free, up to 32 MiB), so a process that frees and refills tensors every step, as
 // FSDP does with its units, keeps its peak in its resident set. Serving large blocks with mmap
 // and trimming the heap returns it. But memory fresh from the system is paid for in page
-// faults on first touch, one per 4 KiB page: on the VM of docs/benchmarks.md ("Host memory")
-// first touch ran at 0.19 GB/s against 10 GB/s for memory already mapped, and the GPT-2 tiny
-// trainer ran 3.3x slower with every block >= 64 KiB from mmap. Transparent huge pages (2 MiB)
-// cut the faults 512-fold. So dtrain tunes both:
+// faults on first touch, one per 4 KiB page: on the VM of docs/benchmarks-history.md ("Host
+// memory") first touch ran at 0.19 GB/s against 10 GB/s for memory already mapped, and the
+// GPT-2 tiny trainer ran 3.3x slower with every block >= 64 KiB from mmap. Transparent huge
+// pages (2 MiB) cut the faults 512-fold. So dtrain tunes both:
 //   - in-process (tune_host_memory): blocks >= 4 MiB come from mmap, the heap is trimmed
 //     beyond 4 MiB of free top;
 //   - at process start (host_memory_environment): glibc's malloc advises transparent huge

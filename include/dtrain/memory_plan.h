@@ -29,7 +29,7 @@ namespace dtrain {
 
 // What a LibTorch process holds besides the model's tensors: the libraries' code and data,
 // the allocator's and BLAS's buffers, the data pipeline. Peak RSS of gpt2_train runs in
-// docs/benchmarks.md minus their model state and estimated activations left 150 to 320 MiB
+// docs/benchmarks-history.md minus their model state and estimated activations left 150 to 320 MiB
 // (docs/strategies.md, "Memory per rank").
 inline constexpr int64_t kCpuRuntimeBytes = int64_t{256} << 20;
 

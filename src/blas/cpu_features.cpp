@@ -116,7 +116,7 @@ std::string CpuFeatures::bf16_features() const {
 std::string bf16_emulation_warning(const CpuFeatures& cpu) {
   if (cpu.native_bf16()) return "";
   // Measured by the session that filed issue 33 with scripts/run-comparison.sh on a 2-core
-  // AVX2-only AMD EPYC (docs/benchmarks.md, "bf16 vs fp32 by CPU class").
+  // AVX2-only AMD EPYC (docs/benchmarks-history.md, "bf16 vs fp32 by CPU class").
   const std::string measured =
       "on a 2-core AVX2-only AMD EPYC, gpt2_train's FSDP bf16 run took 18.9 s/step against "
       "0.8-1.0 s/step for its fp32 runs (19-24x slower)";

@@ -2,7 +2,8 @@
 // (at::scaled_dot_product_attention, LibTorch 2.0 and later: flash/memory-efficient kernels
 // that never materialize the [T, T] scores in fp32 autograd graphs) where the LibTorch has
 // it, and through the explicit matmul-softmax-matmul otherwise (1.13). Both compute the same
-// function; tests compare them (examples/gpt2/tests/model_test.cpp).
+// function; tests compare them (examples/gpt2/tests/model_test.cpp). Public through
+// dtrain/attention.h (src/nn/attention.cpp).
 #pragma once
 
 #include <ATen/ATen.h>

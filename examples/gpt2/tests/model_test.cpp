@@ -9,9 +9,9 @@
 #include <fstream>
 #include <map>
 
-#include "dtrain/safetensors.h"
-#include "compat/attention.h"
+#include "dtrain/attention.h"
 #include "dtrain/errors.h"
+#include "dtrain/safetensors.h"
 #include "hf_weights.h"
 #include "model.h"
 
@@ -158,7 +158,7 @@ TEST(GptModel, AttentionIsCausal) {
   EXPECT_FALSE(at::allclose(la.narrow(1, 7, 1), lb.narrow(1, 7, 1), 1e-5, 1e-6));
 }
 
-// Attention written independently of src/compat/attention.h, in double: every query row
+// Attention written independently of dtrain/attention.h, in double: every query row
 // takes the softmax over exactly the keys it may see (key j <= i when causal, and j < len[b]
 // for a padded batch), gathered by index, so a wrong mask shows up as a different result.
 at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -198,9 +198,9 @@ AttentionGrads attention_grads(Fn fn, const at::Tensor& q0, const at::Tensor& k0
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
-// Both compat paths (ATen's fused kernel on 2.x, the explicit fallback always) against the
-// reference, in fp32: the fp32 results may differ from the double reference by round-off
-// only, bounded here by rtol 1e-5 and atol 1e-6 for outputs and gradients alike.
+// Both paths of dtrain/attention.h (ATen's fused kernel on 2.x, the explicit fallback always)
+// against the reference, in fp32: the fp32 results may differ from the double reference by
+// round-off only, bounded here by rtol 1e-5 and atol 1e-6 for outputs and gradients alike.
 TEST(Attention, FusedAndExplicitMatchAReferenceWithCausalAndPaddingMasks) {
   at::manual_seed(5);
   const int64_t B = 2, H = 3, T = 7, d = 8;
@@ -212,21 +212,19 @@ TEST(Attention, FusedAndExplicitMatchAReferenceWithCausalAndPaddingMasks) {
   for (const bool causal : {false, true}) {
     for (const bool pad : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "causal " << causal << ", padding " << pad);
-      const c10::optional<at::Tensor> mask = pad ? c10::optional<at::Tensor>(attend) : c10::nullopt;
+      dtrain::AttentionOptions options;
+      options.causal = causal;
+      if (pad) options.attend = attend;
       const auto want = attention_grads(
           [&](auto& a, auto& b, auto& c) {
             return reference_attention(a, b, c, causal, pad ? padded : full);
           },
           q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), w);
       const auto fused = attention_grads(
-          [&](auto& a, auto& b, auto& c) {
-            return dtrain::compat::fused_attention(a, b, c, mask, causal);
-          },
-          q, k, v, w);
+          [&](auto& a, auto& b, auto& c) { return dtrain::attention(a, b, c, options); }, q, k, v,
+          w);
       const auto expl = attention_grads(
-          [&](auto& a, auto& b, auto& c) {
-            return dtrain::compat::explicit_attention(a, b, c, mask, causal);
-          },
+          [&](auto& a, auto& b, auto& c) { return dtrain::explicit_attention(a, b, c, options); },
           q, k, v, w);
       for (const auto* got : {&fused, &expl}) {
         const char* which = got == &fused ? "fused" : "explicit";

@@ -22,6 +22,10 @@
 
 namespace gpt2 {
 
+// Mean cross-entropy of `logits` [B, T, V] against `targets` [B, T], computed in fp32
+// whatever the logits' dtype.
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets);
+
 // Mean over all rows of -log softmax(hidden @ weight^T)[row, target], the same value as
 // lm_loss(at::linear(hidden, weight), targets), returned as an fp32 scalar.
 //   hidden   [..., D], float/bf16/half (the last LayerNorm's output)

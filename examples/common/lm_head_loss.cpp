@@ -33,7 +33,7 @@ enum class Grads {
   // d loss / d hidden in forward; for the weight, the logits' gradient [N, V] is kept and
   // multiplied out in backward. Chosen when N <= D: the kept gradient is then no larger than
   // the weight's, and the [V, D] weight gradient exists only from backward on (under FSDP
-  // the weight's unit is freed by then, docs/benchmarks.md "FSDP's tied embedding").
+  // the weight's unit is freed by then, docs/benchmarks-history.md "FSDP's tied embedding").
   kHiddenNowWeightLater,
   // d loss / d hidden only (the weight needs none).
   kHidden,
@@ -137,8 +137,8 @@ Pass run_chunks(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, i
   // One buffer for every chunk: the logits, overwritten in place by their softmax, then by
   // the logits' gradient. A fresh [rows, V] tensor per chunk would fault in every page. It is
   // freed on return: kept between steps it bought no measurable speed and sat in FSDP's peak
-  // (docs/benchmarks.md, "The fused loss's buffers"). When the logits' gradient is kept, every
-  // row has its own.
+  // (docs/benchmarks-history.md, "The fused loss's buffers"). When the logits' gradient is
+  // kept, every row has its own.
   const bool keep_logit_grads = grads == Grads::kHiddenNowWeightLater;
   at::Tensor logits_buf = at::empty({keep_logit_grads ? N : rows, V}, f32);
   at::Tensor w_t = w.t();
@@ -270,7 +270,7 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
     chunk = (N + chunks - 1) / chunks;
   }
   // On the CPU the matmuls keep the inputs' dtype under autocast: whether bf16 pays there
-  // depends on the CPU (docs/benchmarks.md, "bf16 vs fp32 by CPU class").
+  // depends on the CPU (docs/benchmarks-history.md, "bf16 vs fp32 by CPU class").
   const std::optional<c10::ScalarType> autocast =
       hidden.is_cpu() ? std::nullopt : dtrain::autocast_dtype(hidden.device().type());
   const c10::ScalarType mm = matmul_dtype.value_or(autocast.value_or(hidden.scalar_type()));
@@ -287,6 +287,11 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
     return run_chunks(h, weight, t, chunk, Grads::kNone, mm).loss;
   }
   return FusedLmLoss::apply(h, weight, t, chunk, mm);
+}
+
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  const int64_t V = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat), targets.reshape({-1}));
 }
 
 }  // namespace gpt2

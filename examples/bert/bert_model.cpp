@@ -10,12 +10,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "compat/attention.h"
 #include "dtrain/activation_checkpoint.h"
+#include "dtrain/attention.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "lm_head_loss.h"
-#include "model.h"
+#include "token_embedding.h"
 
 namespace bert {
 
@@ -107,7 +107,7 @@ namespace {
 
 // What torch::nn::TransformerEncoderLayer's forward computes (post-LayerNorm: x + attention,
 // norm1, + feed-forward, norm2; GELU; LibTorch's dropout placement), from the layer's own
-// parameters, with the attention through dtrain::compat::fused_attention. x: [T, B, dim].
+// parameters, with the attention through dtrain::attention. x: [T, B, dim].
 at::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& layer,
                                  const at::Tensor& x) {
   auto& mha = *layer.self_attn;
@@ -119,9 +119,9 @@ at::Tensor encoder_layer_forward(torch::nn::TransformerEncoderLayerImpl& layer,
     return t.view({T, B, heads, hd}).permute({1, 2, 0, 3});
   };
   const double p = layer.is_training() ? mha.options.dropout() : 0.0;
-  at::Tensor y = dtrain::compat::fused_attention(to_heads(qkv[0]), to_heads(qkv[1]),
-                                                 to_heads(qkv[2]), c10::nullopt,
-                                                 /*causal=*/false, p);
+  dtrain::AttentionOptions options;
+  options.dropout_p = p;
+  at::Tensor y = dtrain::attention(to_heads(qkv[0]), to_heads(qkv[1]), to_heads(qkv[2]), options);
   y = mha.out_proj->forward(y.permute({2, 0, 1, 3}).reshape({T, B, C}));
   at::Tensor h = layer.norm1->forward(x + layer.dropout1->forward(y));
   at::Tensor f =
