@@ -9,6 +9,35 @@ double max_of(const std::vector<double>& values) {
   return values.empty() ? std::nan("") : *std::max_element(values.begin(), values.end());
 }
 
+namespace {
+
+// The kinds in the order wire_values lays them out.
+std::vector<dtrain::WireBytes*> kinds(dtrain::WireStats& w) {
+  return {&w.all_reduce,     &w.broadcast,      &w.all_gather,
+          &w.reduce_scatter, &w.point_to_point, &w.control};
+}
+
+}  // namespace
+
+std::vector<double> wire_values(const dtrain::WireStats& w) {
+  dtrain::WireStats copy = w;
+  std::vector<double> v{copy.counted ? 1.0 : 0.0};
+  for (const dtrain::WireBytes* b : kinds(copy)) {
+    v.push_back(static_cast<double>(b->intra_host));
+    v.push_back(static_cast<double>(b->inter_host));
+  }
+  return v;
+}
+
+void add_wire_values(dtrain::WireStats& w, const double* values) {
+  w.counted = w.counted || values[0] != 0;
+  size_t i = 1;
+  for (dtrain::WireBytes* b : kinds(w)) {
+    b->intra_host += static_cast<uint64_t>(values[i++]);
+    b->inter_host += static_cast<uint64_t>(values[i++]);
+  }
+}
+
 double StepRecord::peak_rss_mib() const { return max_of(peak_rss_mib_per_rank); }
 double StepRecord::model_state_mib() const { return max_of(model_state_mib_per_rank); }
 double EpochRecord::peak_rss_mib() const { return max_of(peak_rss_mib_per_rank); }

@@ -7,6 +7,8 @@
 #include <optional>
 #include <vector>
 
+#include "dtrain/wire_stats.h"
+
 namespace gpt2 {
 
 struct StepRecord {
@@ -20,6 +22,9 @@ struct StepRecord {
   // The strategy's StepStats, summed over the step's micro-batches.
   double comm_wait_s = 0, comm_total_s = 0;
   int64_t num_collectives = 0;
+  // Bytes on the wire of the step (wire_stats.h): this rank's, then (after the step's
+  // all-gather, gather_rank_values) summed over all ranks: the bytes the whole job sent.
+  dtrain::WireStats wire;
   // One entry per rank, exchanged in the step's all-gather.
   std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;
   // The CUDA caching allocator's peak per rank on --device cuda (cuda_memory.h); empty else.
@@ -36,6 +41,12 @@ struct StepRecord {
   double model_state_mib() const;  // max over ranks
   std::optional<double> cuda_peak_mib() const;  // max over ranks; nullopt off CUDA
 };
+
+// WireStats as numbers for the step's all-gather (kWireValues of them: counted, then intra-
+// and inter-host bytes per kind), and back, added to `w`.
+constexpr size_t kWireValues = 13;
+std::vector<double> wire_values(const dtrain::WireStats& w);
+void add_wire_values(dtrain::WireStats& w, const double* values);
 
 struct EpochRecord {
   int64_t epoch = 0, epochs = 0;  // 1-based, of

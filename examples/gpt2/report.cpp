@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include <fmt/format.h>
@@ -40,6 +41,29 @@ JsonLine Reporter::base_line(const char* kind, int64_t step, int64_t epoch) cons
   return j;
 }
 
+namespace {
+
+// Bytes on the wire of the step, summed over ranks (docs/gpt2.md): null where the backend
+// does not count them (NCCL).
+void add_wire_fields(JsonLine& j, const dtrain::WireStats& w) {
+  auto field = [&](const std::string& name, uint64_t bytes) {
+    j.add(name, w.counted ? std::optional<double>(static_cast<double>(bytes)) : std::nullopt);
+  };
+  const dtrain::WireBytes total = w.total();
+  field("wire_bytes_intra_host", total.intra_host);
+  field("wire_bytes_inter_host", total.inter_host);
+  const std::pair<const char*, const dtrain::WireBytes*> kinds[] = {
+      {"all_reduce", &w.all_reduce},         {"broadcast", &w.broadcast},
+      {"all_gather", &w.all_gather},         {"reduce_scatter", &w.reduce_scatter},
+      {"point_to_point", &w.point_to_point}, {"control", &w.control}};
+  for (const auto& [kind, bytes] : kinds) {
+    field(fmt::format("wire_bytes_{}_intra_host", kind), bytes->intra_host);
+    field(fmt::format("wire_bytes_{}_inter_host", kind), bytes->inter_host);
+  }
+}
+
+}  // namespace
+
 void Reporter::write_step(const StepRecord& r) {
   if (!metrics_) return;
   JsonLine j = base_line("step", r.step, r.epoch);
@@ -56,6 +80,7 @@ void Reporter::write_step(const StepRecord& r) {
   }
   j.add("comm_wait_s", r.comm_wait_s).add("comm_total_s", r.comm_total_s);
   j.add("num_collectives", r.num_collectives).add("lr", r.lr);
+  add_wire_fields(j, r.wire);
   if (r.loss_scale) j.add("loss_scale", *r.loss_scale).add("skipped", r.skipped ? 1 : 0);
   metrics_->write(j);
 }

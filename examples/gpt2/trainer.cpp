@@ -196,6 +196,7 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
   const auto t0 = Clock::now();
 
   zero_grad_to_none(*optimizer_);
+  const dtrain::WireStats wire_before = wire_now();
   double local_loss = 0;
   for (int64_t m = 0; m < c_.grad_accum; ++m) {
     const double loss = micro_step(index_in_epoch * c_.grad_accum + m, m + 1 == c_.grad_accum, r);
@@ -220,6 +221,9 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
     op_profile_->add_step(r.step_time_s);
     if (op_profile_->steps() == c_.profile_steps) write_profile(schedule.total_steps);
   }
+  // Every collective of the step (forward, backward, clipping, the loss scale's agreement),
+  // not the all-gather below that reports it.
+  r.wire = wire_now().since(wire_before);
   gather_rank_values(local_loss, r);
   check(std::isfinite(r.loss), fmt::format("loss is {} at step {}", r.loss, r.step));
   return r;
@@ -250,6 +254,13 @@ at::Tensor Trainer::model_loss(const at::Tensor& x, const at::Tensor& y) {
   return task_->loss(x, y, c_.fused_loss());
 }
 
+dtrain::WireStats Trainer::wire_now() const {
+  dtrain::WireStats w;
+  if (comm_) w = dtrain::wire_stats(*comm_);
+  for (const auto& group : hybrid_groups_) w += dtrain::wire_stats(*group);
+  return w;
+}
+
 // One all-gather of each rank's loss, peak RSS, model state, stop signal (every rank then
 // knows whether any rank was asked to stop) and CUDA peak (-1: none).
 void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
@@ -257,8 +268,11 @@ void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
       static_cast<double>(strategy_->model_state_bytes(optimizer_state(*optimizer_))) / kMiB;
   std::optional<double> cuda_peak;
   if (device_.is_cuda()) cuda_peak = cuda_peak_mib(device_.index());
-  const std::vector<double> mine = {local_loss, peak_rss_mib(), state_mib,
-                                    static_cast<double>(stop_signal()), cuda_peak.value_or(-1)};
+  std::vector<double> mine = {local_loss, peak_rss_mib(), state_mib,
+                              static_cast<double>(stop_signal()), cuda_peak.value_or(-1)};
+  // This rank's bytes on the wire (exact in a double up to 2^53 bytes); summed below.
+  const std::vector<double> wire = wire_values(r.wire);
+  mine.insert(mine.end(), wire.begin(), wire.end());
   r.stop_signal = stop_signal();
   const int world = info_.world_size;
   std::vector<double> all = mine;
@@ -273,7 +287,9 @@ void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
     all.assign(out.data_ptr<double>(), out.data_ptr<double>() + world * n);
   }
   double loss_sum = 0;
+  r.wire = dtrain::WireStats{};
   for (size_t i = 0; i < all.size(); i += mine.size()) {
+    add_wire_values(r.wire, &all[i + mine.size() - kWireValues]);
     loss_sum += all[i];
     r.peak_rss_mib_per_rank.push_back(all[i + 1]);
     r.model_state_mib_per_rank.push_back(all[i + 2]);

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "blas_setup.h"
 #include "data.h"
@@ -23,6 +24,7 @@
 #include "dtrain/rendezvous.h"
 #include "dtrain/store.h"
 #include "dtrain/strategy.h"
+#include "dtrain/wire_stats.h"
 #include "model.h"
 #include "op_profile.h"
 #include "records.h"
@@ -87,6 +89,9 @@ class Trainer {
   bool rank0() const { return info_.rank == 0; }
   void say(const std::string& text) { report_.say(text); }
   void sync_device();
+  // What this rank sent through its communicators so far (the world's, and HYBRID_SHARD's
+  // groups): the step's bytes on the wire are the difference of two readings.
+  dtrain::WireStats wire_now() const;
 
   Config c_;
   dtrain::LaunchInfo info_;
@@ -96,6 +101,7 @@ class Trainer {
   std::shared_ptr<dtrain::Store> store_;
   dtrain::CommunicatorPtr comm_;
   dtrain::CommunicatorOptions comm_options_;  // the world's; the hybrid groups' too
+  std::vector<dtrain::CommunicatorPtr> hybrid_groups_;  // --sharding hybrid: shard, replicate
   std::unique_ptr<Tokenizer> tokenizer_;
   int64_t token_ids_ = 0;  // the tokenizer's ids (GPT-2's 50257 without a vocabulary)
   TokenView train_tokens_, val_tokens_;

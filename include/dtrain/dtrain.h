@@ -28,4 +28,5 @@
 #include "dtrain/store.h"
 #include "dtrain/strategy.h"
 #include "dtrain/sync_batch_norm.h"
+#include "dtrain/wire_stats.h"
 #include "dtrain/work.h"

@@ -2,14 +2,11 @@
 
 #include <fmt/format.h>
 
+#include "comm/backend_factory.h"
 #include "comm/front_end.h"
-#include "comm/shm/setup.h"
-#include "comm/staging_transport.h"
 #include "dtrain/config.h"
 #include "dtrain/errors.h"
-#if DTRAIN_HAS_NCCL
-#include "comm/nccl/nccl_transport.h"
-#endif
+#include "dtrain/wire_stats.h"
 
 namespace dtrain {
 
@@ -69,6 +66,12 @@ bool is_backend_available(Backend backend) {
   return false;
 }
 
+WireStats wire_stats(const Communicator& comm) {
+  // Every communicator make_communicator returns is a FrontEnd; anything else counts nothing.
+  const auto* front = dynamic_cast<const detail::FrontEnd*>(&comm);
+  return front != nullptr ? front->wire_stats() : WireStats{};
+}
+
 CommunicatorPtr make_communicator(std::shared_ptr<Store> store, int rank, int world_size,
                                   const CommunicatorOptions& options) {
   ErrorContext ctx{rank, world_size, "make_communicator", -1};
@@ -86,30 +89,11 @@ CommunicatorPtr make_communicator(std::shared_ptr<Store> store, int rank, int wo
     throw InvalidArgument(ctx, "unknown transport");
   }
   auto failure = std::make_shared<detail::StickyFailure>();
-  std::unique_ptr<detail::Transport> transport;
-  switch (options.backend) {
-    case Backend::kGloo:
-      // Gloo's TCP pairs or shared memory (which also needs Gloo, for send/recv).
-      transport = shm::make_host_transport(store, rank, world_size, options, failure);
-      // Tensors of another device go through host memory.
-      if (!options.device.is_cpu()) {
-        transport = detail::make_staging_transport(std::move(transport), options.device, rank,
-                                                   failure, ctx);
-      }
-      break;
-    case Backend::kNccl:
-#if DTRAIN_HAS_NCCL
-      transport = nccl_backend::make_nccl_transport(store, rank, world_size, options, failure);
-      break;
-#else
-      throw InvalidArgument(ctx,
-                            "this dtrain was built without NCCL (DTRAIN_WITH_NCCL=OFF or "
-                            "CUDA/NCCL not found at configure time)");
-#endif
-  }
-  if (!transport) throw InvalidArgument(ctx, "unknown backend");
+  // NCCL's bytes are not counted (wire_stats.h): its communicator reports counted = false.
+  auto wire = options.backend == Backend::kNccl ? nullptr : std::make_shared<detail::WireCounter>();
+  auto engine = detail::make_engine(store, rank, world_size, options, failure, wire, ctx);
   return std::make_shared<detail::FrontEnd>(rank, world_size, options, std::move(failure),
-                                            std::move(transport));
+                                            std::move(engine), std::move(wire));
 }
 
 }  // namespace dtrain

@@ -12,11 +12,6 @@ std::string first_line(std::string msg) {
   return msg;
 }
 
-bool reports_timeout(const std::string& msg) {
-  return msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos ||
-         msg.find("Timeout") != std::string::npos;
-}
-
 }  // namespace
 
 std::exception_ptr as_comm_error(const ErrorContext& ctx, std::exception_ptr error) {
@@ -29,9 +24,9 @@ std::exception_ptr as_comm_error(const ErrorContext& ctx, std::exception_ptr err
   } catch (const Error& e) {
     return std::make_exception_ptr(CommError(ctx, e.cause()));
   } catch (const std::exception& e) {
-    const std::string msg = first_line(e.what());
-    if (reports_timeout(msg)) return std::make_exception_ptr(TimeoutError(ctx, msg));
-    return std::make_exception_ptr(CommError(ctx, msg));
+    // Never classified by its text: engines turn their library's timeouts into TimeoutError
+    // where they know a wait ran out (gloo/bounded_wait.h).
+    return std::make_exception_ptr(CommError(ctx, first_line(e.what())));
   } catch (...) {
     return std::make_exception_ptr(CommError(ctx, "unknown exception (not a std::exception)"));
   }

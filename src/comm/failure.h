@@ -11,10 +11,11 @@
 namespace dtrain::detail {
 
 // `error` as a dtrain error with context `ctx`: DesyncError, TimeoutError and CommError keep
-// their kind, any other dtrain error becomes a CommError, Gloo's exceptions (IoException,
-// EnforceNotMet) and any std::exception become a TimeoutError when they report a timeout,
-// else a CommError; anything else (not even a std::exception) a CommError saying so. Only
-// the first line of a foreign message is kept (Gloo appends stack traces).
+// their kind, any other dtrain error becomes a CommError, and so does any other exception
+// (a std::exception keeps the first line of its message: Gloo appends stack traces; anything
+// else says it was not a std::exception). A foreign exception is never classified by its
+// text: an engine that knows a wait ran out throws TimeoutError itself
+// (gloo/bounded_wait.h).
 std::exception_ptr as_comm_error(const ErrorContext& ctx, std::exception_ptr error);
 
 // The CommError of a call that cannot run because of `first`, an earlier failure:

@@ -7,14 +7,16 @@
 namespace dtrain::detail {
 
 FrontEnd::FrontEnd(int rank, int world_size, const CommunicatorOptions& options,
-                   std::shared_ptr<StickyFailure> failure, std::unique_ptr<Transport> transport)
+                   std::shared_ptr<StickyFailure> failure, std::unique_ptr<CollectiveEngine> engine,
+                   std::shared_ptr<WireCounter> wire)
     : rank_(rank),
       world_size_(world_size),
       options_(options),
       failure_(std::move(failure)),
-      transport_(std::move(transport)) {}
+      wire_(std::move(wire)),
+      engine_(std::move(engine)) {}
 
-FrontEnd::~FrontEnd() { transport_.reset(); }
+FrontEnd::~FrontEnd() { engine_.reset(); }
 
 ErrorContext FrontEnd::context(const char* op, int64_t seq) const {
   return ErrorContext{rank_, world_size_, op, seq};
@@ -30,9 +32,10 @@ void FrontEnd::check_tensor(const at::Tensor& t, const char* op, const char* wha
     throw InvalidArgument(ctx, fmt::format("{}: {}", what, why));
   };
   if (!t.defined()) fail("undefined tensor");
-  transport_->check_tensor(t, ctx, what);
+  // Layout first: engines may read strides and data pointers of what they check.
   if (t.layout() != c10::kStrided) fail("must be a dense (strided) tensor");
   if (!t.is_contiguous()) fail("must be contiguous");
+  engine_->check_tensor(t, ctx, what);
 }
 
 void FrontEnd::check_reduce(ReduceOp reduce, const at::Tensor& t, const char* op) const {
@@ -51,7 +54,7 @@ void FrontEnd::check_rank(int r, const char* op, const char* what, bool others_o
 }
 
 WorkPtr FrontEnd::issue(Collective call, const at::Tensor& described, bool reduces) {
-  transport_->check_call(call);
+  engine_->check_call(call);
   std::lock_guard<std::mutex> lock(issue_mu_);
   const uint64_t seq = next_seq_.fetch_add(1);
   call.context.sequence = static_cast<int64_t>(seq);
@@ -64,11 +67,11 @@ WorkPtr FrontEnd::issue(Collective call, const at::Tensor& described, bool reduc
     work->finish(earlier);
     return work;
   }
-  return transport_->start(std::move(call));
+  return engine_->start(std::move(call));
 }
 
 WorkPtr FrontEnd::issue(PointToPoint call) {
-  transport_->check_call(call);
+  engine_->check_call(call);
   std::lock_guard<std::mutex> lock(issue_mu_);
   const uint64_t seq = next_p2p_seq_++;
   call.context.sequence = static_cast<int64_t>(seq);
@@ -78,7 +81,7 @@ WorkPtr FrontEnd::issue(PointToPoint call) {
     work->finish(earlier);
     return work;
   }
-  return transport_->start(std::move(call));
+  return engine_->start(std::move(call));
 }
 
 WorkPtr FrontEnd::all_reduce(at::Tensor tensor, ReduceOp op, const CallOptions& options) {

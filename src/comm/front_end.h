@@ -1,32 +1,39 @@
 // The one Communicator every backend sits behind: argument checks, per-call timeouts,
-// sequence numbers, the call's consistency header and the sticky failure, for every
-// backend alike. Backends (Transport, transport.h) only move data.
+// sequence numbers, the call's consistency header and refusing calls once the communicator
+// failed (sticky), for every backend alike. Collective engines (engine.h) move the data.
 #pragma once
 
 #include <atomic>
 #include <memory>
 #include <mutex>
 
+#include "comm/engine.h"
 #include "comm/failure.h"
-#include "comm/transport.h"
+#include "comm/wire_counter.h"
 #include "dtrain/communicator.h"
 
 namespace dtrain::detail {
 
 class FrontEnd final : public Communicator {
  public:
-  // `failure` is shared with `transport`, which records what fails while a call runs.
+  // `failure` is shared with `engine`, which records what fails while a call runs.
+  // `options.backend` is what backend() reports: the backend asked for (kGloo for every CPU
+  // transport, shared memory and hierarchical included; transport_name() says which). `wire` is what the engine counts its bytes
+  // in (wire_counter.h); null: not counted.
   FrontEnd(int rank, int world_size, const CommunicatorOptions& options,
-           std::shared_ptr<StickyFailure> failure, std::unique_ptr<Transport> transport);
-  // Destroys the transport first: it finishes or fails what is still queued.
+           std::shared_ptr<StickyFailure> failure, std::unique_ptr<CollectiveEngine> engine,
+           std::shared_ptr<WireCounter> wire);
+  // Destroys the engine first: it finishes or fails what is still queued.
   ~FrontEnd() override;
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
-  Backend backend() const override { return transport_->backend(); }
-  const char* transport_name() const override { return transport_->name(); }
-  c10::Device device() const override { return transport_->device(); }
+  Backend backend() const override { return options_.backend; }
+  const char* transport_name() const override { return engine_->name(); }
+  c10::Device device() const override { return engine_->device(); }
   uint64_t sequence_number() const override { return next_seq_.load(); }
+  // What dtrain::wire_stats(const Communicator&) reports (wire_stats.h).
+  WireStats wire_stats() const { return wire_ ? wire_->snapshot() : WireStats{}; }
 
   WorkPtr all_reduce(at::Tensor tensor, ReduceOp op, const CallOptions& options) override;
   WorkPtr broadcast(at::Tensor tensor, int root, const CallOptions& options) override;
@@ -40,12 +47,13 @@ class FrontEnd final : public Communicator {
  private:
   ErrorContext context(const char* op, int64_t seq = -1) const;
   std::chrono::milliseconds call_timeout(const CallOptions& options) const;
-  // Throws InvalidArgument naming rank and op unless `t` is dense, contiguous and usable by
-  // the transport.
+  // Throws InvalidArgument naming rank and op unless `t` is defined, dense and contiguous
+  // (checked in that order, before the engine's check_tensor), and usable by the engine.
   void check_tensor(const at::Tensor& t, const char* op, const char* what) const;
   void check_reduce(ReduceOp reduce, const at::Tensor& t, const char* op) const;
   void check_rank(int r, const char* op, const char* what, bool others_only) const;
-  // Numbers the call, fills in its header and hands it to the transport, as one step.
+  // Checks the call with the engine, then, as one step under issue_mu_: numbers it, fills in
+  // its header and hands it to the engine, or fails it at once if the communicator failed.
   WorkPtr issue(Collective call, const at::Tensor& described, bool reduces);
   WorkPtr issue(PointToPoint call);
   // send and recv: the same checks and numbering, one direction flag.
@@ -56,7 +64,8 @@ class FrontEnd final : public Communicator {
   const int world_size_;
   const CommunicatorOptions options_;
   std::shared_ptr<StickyFailure> failure_;
-  std::unique_ptr<Transport> transport_;
+  std::shared_ptr<WireCounter> wire_;
+  std::unique_ptr<CollectiveEngine> engine_;
 
   // Held while a call is numbered and queued, so that numbering is execution order.
   std::mutex issue_mu_;

@@ -11,13 +11,12 @@
 namespace dtrain::detail {
 namespace {
 
-class StagingTransport final : public Transport {
+class StagingTransport final : public CollectiveEngine {
  public:
-  StagingTransport(std::unique_ptr<Transport> host, c10::Device device, int rank,
+  StagingTransport(std::unique_ptr<CollectiveEngine> host, c10::Device device, int rank,
                    std::shared_ptr<StickyFailure> failure)
       : host_(std::move(host)), device_(device), rank_(rank), failure_(std::move(failure)) {}
 
-  Backend backend() const override { return host_->backend(); }
   const char* name() const override { return host_->name(); }
   c10::Device device() const override { return device_; }
 
@@ -114,7 +113,7 @@ class StagingTransport final : public Transport {
     return work;
   }
 
-  std::unique_ptr<Transport> host_;
+  std::unique_ptr<CollectiveEngine> host_;
   const c10::Device device_;
   const int rank_;
   std::shared_ptr<StickyFailure> failure_;
@@ -122,10 +121,10 @@ class StagingTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_staging_transport(std::unique_ptr<Transport> host,
-                                                  c10::Device device, int rank,
-                                                  std::shared_ptr<StickyFailure> failure,
-                                                  const ErrorContext& ctx) {
+std::unique_ptr<CollectiveEngine> make_staging_transport(std::unique_ptr<CollectiveEngine> host,
+                                                         c10::Device device, int rank,
+                                                         std::shared_ptr<StickyFailure> failure,
+                                                         const ErrorContext& ctx) {
   auto unusable = [&](const std::string& why) {
     return InvalidArgument(
         ctx, fmt::format("device {} is not usable in this LibTorch: {}", device.str(), why));

@@ -8,8 +8,8 @@
 
 #include <memory>
 
+#include "comm/engine.h"
 #include "comm/failure.h"
-#include "comm/transport.h"
 
 namespace dtrain::detail {
 
@@ -20,9 +20,9 @@ namespace dtrain::detail {
 // the waiting thread's current stream). The Work owns the host buffers until then. A copy
 // that fails fails its call and is recorded in `failure` (the communicator's). Throws
 // InvalidArgument (context `ctx`) if LibTorch cannot allocate on `device`.
-std::unique_ptr<Transport> make_staging_transport(std::unique_ptr<Transport> host,
-                                                  c10::Device device, int rank,
-                                                  std::shared_ptr<StickyFailure> failure,
-                                                  const ErrorContext& ctx);
+std::unique_ptr<CollectiveEngine> make_staging_transport(std::unique_ptr<CollectiveEngine> host,
+                                                         c10::Device device, int rank,
+                                                         std::shared_ptr<StickyFailure> failure,
+                                                         const ErrorContext& ctx);
 
 }  // namespace dtrain::detail

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "amp/bf16_check.h"
+#include "compat/autograd_errors.h"
 #include "dtrain/errors.h"
 #include "fsdp/active.h"
 #include "fsdp/fsdp_impl.h"
@@ -289,13 +290,13 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
   } catch (const c10::Error& e) {
     failure = std::current_exception();
     // What a version bump of ParamsInBackward::kNotRead (fsdp/schedule.cpp) looks like.
-    const std::string what = e.what_without_backtrace();
-    if (s.has_unread_calls() && what.find("modified by an inplace operation") != std::string::npos) {
+    if (s.has_unread_calls() && compat::is_saved_tensor_modified(e)) {
       failure = std::make_exception_ptr(InvalidArgument(
           ctx("backward"),
           "backward read the parameters of a unit called with ParamsInBackward::kNotRead, "
           "which were freed after its forward (autograd saved them); call it with kRead (the "
-          "default). LibTorch: " + what));
+          "default). LibTorch: " +
+              std::string(e.what_without_backtrace())));
     }
   } catch (...) {
     failure = std::current_exception();

@@ -1,6 +1,7 @@
 // The shared-memory transport (its part of the collectives matrix is in collectives_test):
 // the matrix with chunks small enough that calls take many, bit-exact rank-order reductions,
-// the hierarchical transport over fake hosts, selection (automatic, forced, refused),
+// the hierarchical transport over fake hosts (bytes on the wire intra vs inter host too),
+// selection (automatic, forced, refused),
 // the consistency check, and failures: a failed send, a killed process, a stale segment
 // under the name a job would use, nothing left in /dev/shm (a silent peer and a peer that
 // leaves: collectives_test, for every transport).
@@ -19,12 +20,15 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/backend_factory.h"
+#include "comm/call_header.h"
 #include "comm/front_end.h"
 #include "comm/shm/segment.h"
 #include "comm/shm/setup.h"
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
+#include "dtrain/wire_stats.h"
 #include "support/check.h"
 #include "support/collective_matrix.h"
 #include "support/ranks.h"
@@ -96,8 +100,10 @@ void run_fake_hosts(const std::vector<std::string>& hosts,
   const int world = static_cast<int>(hosts.size());
   run_threads(world, [&](int r) {
     auto failure = std::make_shared<detail::StickyFailure>();
-    auto t = shm::make_host_transport(store, r, world, o, failure, hosts[static_cast<size_t>(r)]);
-    detail::FrontEnd comm(r, world, o, failure, std::move(t));
+    auto wire = std::make_shared<detail::WireCounter>();
+    auto t =
+        detail::make_cpu_engine(store, r, world, o, failure, wire, hosts[static_cast<size_t>(r)]);
+    detail::FrontEnd comm(r, world, o, failure, std::move(t), wire);
     fn(comm);
   });
 }
@@ -122,6 +128,76 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ShmHierarchical,
                            for (const auto& h : info.param) name += h;
                            return name;
                          });
+
+// Bytes on the wire across fake hosts A A B B (docs/communication.md, "Bytes on the wire"):
+// what goes to a rank of another host counts as inter-host, the rest as intra-host.
+struct HostWire {
+  std::string transport;
+  WireStats all_gather, all_reduce;
+};
+
+std::vector<HostWire> wire_on_hosts(const CommunicatorOptions& o, int64_t block, int64_t n) {
+  const std::vector<std::string> hosts = {"A", "A", "B", "B"};
+  std::vector<HostWire> out(hosts.size());
+  run_fake_hosts(
+      hosts,
+      [&](Communicator& c) {
+        HostWire& w = out[static_cast<size_t>(c.rank())];
+        w.transport = c.transport_name();
+        WireStats before = wire_stats(c);
+        c.all_gather_sync(at::empty({4 * block}), at::ones({block}));
+        w.all_gather = wire_stats(c).since(before);
+        before = wire_stats(c);
+        c.all_reduce_sync(at::ones({n}));
+        w.all_reduce = wire_stats(c).since(before);
+      },
+      o);
+  return out;
+}
+
+TEST(ShmHierarchicalWire, FlatGlooCountsRingNeighboursOnOtherHostsAsInterHost) {
+  CommunicatorOptions o;
+  o.transport = Transport::kGloo;
+  const uint64_t h = sizeof(detail::CallHeader);
+  const auto w = wire_on_hosts(o, 1000, 4096);
+  for (size_t r = 0; r < w.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(w[r].transport, "gloo");
+    EXPECT_TRUE(w[r].all_gather.counted);
+    // The all-gather ring sends 3 blocks to rank + 1: 0 -> 1 and 2 -> 3 stay on a host,
+    // 1 -> 2 and 3 -> 0 cross. The all-reduce ring sends to rank - 1: 0 -> 3 and 2 -> 1 cross.
+    const bool gather_crosses = r % 2 == 1;
+    EXPECT_EQ(w[r].all_gather.all_gather.inter_host, gather_crosses ? 3 * 4000u : 0u);
+    EXPECT_EQ(w[r].all_gather.all_gather.intra_host, gather_crosses ? 0u : 3 * 4000u);
+    const bool reduce_crosses = r % 2 == 0;
+    EXPECT_EQ(w[r].all_reduce.all_reduce.inter_host, reduce_crosses ? 6 * 4096u : 0u);
+    EXPECT_EQ(w[r].all_reduce.all_reduce.intra_host, reduce_crosses ? 0u : 6 * 4096u);
+    // Headers go to all three peers: one on this host, two on the other.
+    EXPECT_EQ(w[r].all_gather.control.intra_host, h);
+    EXPECT_EQ(w[r].all_gather.control.inter_host, 2 * h);
+  }
+}
+
+TEST(ShmHierarchicalWire, OnlyLeadersCrossHostsAndOnlyWithTheirHostsShare) {
+  CommunicatorOptions o;  // kAuto: hierarchical on two hosts of two ranks
+  const uint64_t h = sizeof(detail::CallHeader);
+  const auto w = wire_on_hosts(o, 1000, 4096);
+  for (size_t r = 0; r < w.size(); ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(w[r].transport, "hierarchical");
+    const bool leader = r % 2 == 0;
+    // Every rank writes its block into its host's segment; a leader then sends its host's two
+    // blocks to the other leader and writes all four blocks back into the segment.
+    EXPECT_EQ(w[r].all_gather.all_gather.intra_host, leader ? 4000u + 16000u : 4000u);
+    EXPECT_EQ(w[r].all_gather.all_gather.inter_host, leader ? 8000u : 0u);
+    // The leaders' ring all-reduce over two leaders sends half the buffer twice.
+    EXPECT_EQ(w[r].all_reduce.all_reduce.inter_host, leader ? 4 * 4096u : 0u);
+    EXPECT_GT(w[r].all_reduce.all_reduce.intra_host, 0u);
+    // One header into the segment; a leader's also goes to the other leader.
+    EXPECT_EQ(w[r].all_gather.control.intra_host, h);
+    EXPECT_EQ(w[r].all_gather.control.inter_host, leader ? h : 0u);
+  }
+}
 
 TEST(ShmHierarchicalSelection, UnevenHostsUseGlooOrAreRefused) {
   const std::vector<std::string> hosts = {"A", "A", "B"};

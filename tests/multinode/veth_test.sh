@@ -2,7 +2,8 @@
 # Two "hosts" on one machine: two network namespaces joined by a veth pair, each with its own
 # address and no route to anything else. Runs gpt2_train as 2 hosts x 2 ranks through
 # `dtrain-run --nnodes 2` for DDP, FSDP FULL_SHARD and HYBRID_SHARD and checks that the
-# per-step losses equal the same 4-rank job on one host (fp32, 1e-6 relative); then the
+# per-step losses equal the same 4-rank job on one host (fp32, 1e-6 relative) and that only
+# the two-host jobs count bytes on the wire to another host; then the
 # launch mistakes a user makes across hosts, each with its message and a bounded time.
 # Usage: veth_test.sh path/to/dtrain-run path/to/gpt2_train path/to/dtrain_test_worker
 # Exit 77 (ctest: skipped) when namespaces cannot be created here (needs root / CAP_NET_ADMIN).
@@ -61,6 +62,25 @@ same_losses() {
   fi
 }
 
+# last_field FILE NAME: NAME's value in the last step line of a metrics file.
+last_field() {
+  grep '"kind": "step"' "$1" | tail -n 1 | sed "s/.*\"$2\": \([-0-9.eE+a-z]*\).*/\1/"
+}
+
+# wire_bytes NAME ONE TWO: bytes on the wire are counted, and only the two-host run sends
+# any to another host (docs/communication.md, "Bytes on the wire").
+wire_bytes() {
+  intra_one=$(last_field "$2" wire_bytes_intra_host)
+  inter_one=$(last_field "$2" wire_bytes_inter_host)
+  inter_two=$(last_field "$3" wire_bytes_inter_host)
+  if awk -v a="$intra_one" -v b="$inter_one" -v c="$inter_two" \
+    'BEGIN { exit !(a + 0 > 0 && b == "0" && c + 0 > 0) }'; then
+    echo "ok: $1: inter-host bytes per step: 0 on one host, $inter_two across hosts"
+  else
+    fail "$1: wire bytes: one host intra $intra_one inter $inter_one, two hosts inter $inter_two"
+  fi
+}
+
 port=29000
 for case in "ddp:--strategy=ddp" "fsdp_full:--strategy=fsdp --sharding=full" \
   "fsdp_hybrid:--strategy=fsdp --sharding=hybrid"; do
@@ -90,6 +110,7 @@ for case in "ddp:--strategy=ddp" "fsdp_full:--strategy=fsdp --sharding=full" \
     continue
   fi
   same_losses "$name" "$tmp/$name.one.jsonl" "$tmp/$name.two.jsonl"
+  wire_bytes "$name" "$tmp/$name.one.jsonl" "$tmp/$name.two.jsonl"
 done
 
 # launch SLOT HOST NAME DTRAIN_RUN_ARGS...: starts dtrain-run in host HOST's namespace (0 or 1)

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "compat/autograd_errors.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/single_device.h"
@@ -439,6 +440,27 @@ TEST(FsdpParamsInBackwardErrors, ASavedParameterOfAnUnreadCallIsAnError) {
   for (int r = 0; r < world; ++r) {
     EXPECT_NE(errors[r].find("ParamsInBackward::kNotRead"), std::string::npos)
         << "rank " << r << ": " << errors[r];
+  }
+}
+
+// The explanation above hangs on LibTorch's text (compat/autograd_errors.h, the one place it
+// is read): make LibTorch raise the error, so a release that rewords it fails here.
+TEST(LibTorchSavedTensorError, IsRecognisedAndOtherErrorsAreNot) {
+  at::Tensor x = at::ones({3}).requires_grad_();
+  at::Tensor a = x * 2;
+  at::Tensor b = a * a;  // saves a for backward
+  a.mul_(3);             // bumps a's version
+  try {
+    b.sum().backward();
+    ADD_FAILURE() << "backward did not fail";
+  } catch (const c10::Error& e) {
+    EXPECT_TRUE(compat::is_saved_tensor_modified(e)) << e.what_without_backtrace();
+  }
+  try {
+    (void)at::ones({2, 3}).matmul(at::ones({2, 3}));
+    ADD_FAILURE() << "matmul did not fail";
+  } catch (const c10::Error& e) {
+    EXPECT_FALSE(compat::is_saved_tensor_modified(e)) << e.what_without_backtrace();
   }
 }
 

@@ -218,6 +218,14 @@ TEST_F(TrainerTest, DdpMatchesSingleOnTheGlobalBatch) {
   expect_same_curve(*single_, ddp, kFp32Tolerance);
   ASSERT_FALSE(ddp.steps.empty());
   EXPECT_EQ(ddp.steps.back().at("world_size"), 2);
+  // Bytes on the wire, counted and summed over ranks: one host, so nothing crosses hosts;
+  // the gradients' all-reduce writes every rank's gradients into shared memory. A single
+  // device counts nothing (null).
+  EXPECT_GT(ddp.steps.back().at("wire_bytes_all_reduce_intra_host"), 0);
+  EXPECT_GE(ddp.steps.back().at("wire_bytes_intra_host"),
+            ddp.steps.back().at("wire_bytes_all_reduce_intra_host"));
+  EXPECT_EQ(ddp.steps.back().at("wire_bytes_inter_host"), 0);
+  EXPECT_TRUE(std::isnan(single_->steps.back().at("wire_bytes_intra_host")));
 }
 
 TEST_F(TrainerTest, GradientAccumulationUnderDdpAndFsdpMatchesSingle) {

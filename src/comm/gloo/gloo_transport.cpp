@@ -5,7 +5,6 @@
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
-#include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
@@ -19,10 +18,12 @@
 #include <fmt/format.h>
 
 #include "comm/cpu_work.h"
+#include "comm/gloo/bounded_wait.h"
 #include "comm/gloo/header_exchange.h"
-#include "comm/gloo/reduce_ops.h"
 #include "comm/gloo/reduce_scatter_ring.h"
+#include "comm/gloo/wire_bytes.h"
 #include "comm/net/address.h"
+#include "comm/reduce/reduce_ops.h"
 
 namespace dtrain::gloo_backend {
 namespace {
@@ -112,14 +113,16 @@ using detail::Collective;
 using detail::CollectiveOp;
 using detail::CpuWork;
 using detail::PointToPoint;
+using detail::WireKind;
 
-class GlooTransport final : public detail::Transport {
+class GlooTransport final : public detail::CollectiveEngine {
  public:
   GlooTransport(std::shared_ptr<Store> store, int rank, int world_size,
-                const CommunicatorOptions& options, std::shared_ptr<detail::StickyFailure> failure);
+                const CommunicatorOptions& options, std::shared_ptr<detail::StickyFailure> failure,
+                detail::WireTally wire);
   ~GlooTransport() override;
 
-  Backend backend() const override { return Backend::kGloo; }
+  const char* name() const override { return "gloo"; }
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override;
   void check_call(const Collective& call) const override;
@@ -142,6 +145,7 @@ class GlooTransport final : public detail::Transport {
   // slower ranks still need to finish their own rendezvous.
   std::shared_ptr<Store> store_;
   std::shared_ptr<detail::StickyFailure> failure_;
+  const detail::WireTally wire_;
   std::shared_ptr<gloo::Context> context_;
   // Executor thread only.
   std::unique_ptr<HeaderExchange> headers_;
@@ -154,12 +158,13 @@ class GlooTransport final : public detail::Transport {
 
 GlooTransport::GlooTransport(std::shared_ptr<Store> store, int rank, int world_size,
                              const CommunicatorOptions& options,
-                             std::shared_ptr<detail::StickyFailure> failure)
+                             std::shared_ptr<detail::StickyFailure> failure, detail::WireTally wire)
     : rank_(rank),
       world_size_(world_size),
       options_(options),
       store_(std::move(store)),
-      failure_(std::move(failure)) {
+      failure_(std::move(failure)),
+      wire_(std::move(wire)) {
   const ErrorContext ctx{rank, world_size, "connect", -1};
   gloo::transport::tcp::attr attr;
   try {
@@ -172,7 +177,8 @@ GlooTransport::GlooTransport(std::shared_ptr<Store> store, int rank, int world_s
     auto gloo_context = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
     gloo_context->setTimeout(options.timeout);
     StoreAdapter adapter(make_prefix_store("dtrain/gloo/" + options.name, store_), options.timeout);
-    gloo_context->connectFullMesh(adapter, device);
+    // Each pair's connect is bounded by the context's timeout (options.timeout).
+    bounded_wait(options.timeout, [&] { gloo_context->connectFullMesh(adapter, device); });
     context_ = std::move(gloo_context);
   } catch (const TimeoutError& e) {
     throw TimeoutError(ctx, fmt::format("not every rank joined within {} ms ({})",
@@ -180,7 +186,7 @@ GlooTransport::GlooTransport(std::shared_ptr<Store> store, int rank, int world_s
   } catch (...) {
     std::rethrow_exception(detail::as_comm_error(ctx, std::current_exception()));
   }
-  headers_ = std::make_unique<HeaderExchange>(context_);
+  headers_ = std::make_unique<HeaderExchange>(context_, wire_);
   p2p_waiter_ = std::make_unique<detail::SerialExecutor>();
   executor_ = std::make_unique<detail::SerialExecutor>();
 }
@@ -196,7 +202,7 @@ void GlooTransport::check_tensor(const at::Tensor& t, const ErrorContext& ctx,
     throw InvalidArgument(
         ctx, fmt::format("{}: Gloo needs CPU tensors, got {}", what, t.device().str()));
   }
-  if (!is_supported_dtype(t.scalar_type())) {
+  if (!reduce::is_supported_dtype(t.scalar_type())) {
     throw InvalidArgument(
         ctx, fmt::format("{}: dtype {} is not supported", what, c10::toString(t.scalar_type())));
   }
@@ -205,7 +211,7 @@ void GlooTransport::check_tensor(const at::Tensor& t, const ErrorContext& ctx,
 void GlooTransport::check_call(const Collective& call) const {
   if (call.op != CollectiveOp::kAllReduce && call.op != CollectiveOp::kReduceScatter) return;
   try {
-    reduce_fn(call.tensor.scalar_type(), call.reduce);
+    reduce::reduce_fn(call.tensor.scalar_type(), call.reduce);
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(call.context, e.cause());
   }
@@ -254,7 +260,7 @@ void GlooTransport::all_reduce(const Collective& call, std::chrono::milliseconds
   const at::Tensor& tensor = call.tensor;
   const size_t n = static_cast<size_t>(tensor.numel());
   if (n == 0) return;
-  const ReduceFn fn = reduce_fn(tensor.scalar_type(), call.reduce);
+  const reduce::ReduceFn fn = reduce::reduce_fn(tensor.scalar_type(), call.reduce);
   with_element_type(tensor.element_size(), [&](auto tag) {
     using T = decltype(tag);
     gloo::AllreduceOptions o(context_);
@@ -264,8 +270,11 @@ void GlooTransport::all_reduce(const Collective& call, std::chrono::milliseconds
     o.setMaxSegmentSize(options_.gloo_max_segment_bytes);
     o.setTag(static_cast<uint32_t>(call.context.sequence));
     o.setTimeout(timeout);
-    gloo::allreduce(o);
+    bounded_wait(timeout, [&] { gloo::allreduce(o); });
   });
+  wire_.sent(WireKind::kAllReduce, rank_, (rank_ + world_size_ - 1) % world_size_,
+             ring_all_reduce_bytes(n * tensor.element_size(), tensor.element_size(),
+                                   options_.gloo_max_segment_bytes, rank_, world_size_));
   if (call.reduce == ReduceOp::kAvg) tensor.div_(world_size_);
 }
 
@@ -280,8 +289,11 @@ void GlooTransport::broadcast(const Collective& call, std::chrono::milliseconds 
     o.setRoot(call.root);
     o.setTag(static_cast<uint32_t>(call.context.sequence));
     o.setTimeout(timeout);
-    gloo::broadcast(o);
+    bounded_wait(timeout, [&] { gloo::broadcast(o); });
   });
+  for (const int peer : broadcast_peers(rank_, call.root, world_size_)) {
+    wire_.sent(WireKind::kBroadcast, rank_, peer, n * tensor.element_size());
+  }
 }
 
 void GlooTransport::all_gather(const Collective& call, std::chrono::milliseconds timeout) {
@@ -299,16 +311,26 @@ void GlooTransport::all_gather(const Collective& call, std::chrono::milliseconds
     o.setOutput<T>(static_cast<T*>(output.data_ptr()), n * world_size_);
     o.setTag(static_cast<uint32_t>(call.context.sequence));
     o.setTimeout(timeout);
-    gloo::allgather(o);
+    bounded_wait(timeout, [&] { gloo::allgather(o); });
   });
+  wire_.sent(WireKind::kAllGather, rank_, (rank_ + 1) % world_size_,
+             ring_all_gather_bytes(bytes, world_size_));
 }
 
 void GlooTransport::reduce_scatter(const Collective& call, std::chrono::milliseconds timeout) {
-  const ReduceFn fn = reduce_fn(call.input.scalar_type(), call.reduce);
+  const reduce::ReduceFn fn = reduce::reduce_fn(call.input.scalar_type(), call.reduce);
   const uint64_t slot =
       gloo::Slot::build(kReduceScatterSlotPrefix, static_cast<uint32_t>(call.context.sequence));
-  reduce_scatter_ring(*context_, call.tensor, call.input, fn, slot, options_.gloo_max_segment_bytes,
-                      timeout, scratch_);
+  bounded_wait(timeout, [&] {
+    reduce_scatter_ring(*context_, call.tensor, call.input, fn, slot,
+                        options_.gloo_max_segment_bytes, timeout, scratch_);
+  });
+  // The ring sends this rank's partial sum of one output-sized chunk per step to rank + 1.
+  if (world_size_ > 1) {
+    wire_.sent(WireKind::kReduceScatter, rank_, (rank_ + 1) % world_size_,
+               static_cast<uint64_t>(world_size_ - 1) * static_cast<uint64_t>(call.tensor.numel()) *
+                   call.tensor.element_size());
+  }
   if (call.reduce == ReduceOp::kAvg) call.tensor.div_(world_size_);
 }
 
@@ -316,7 +338,7 @@ void GlooTransport::barrier(const Collective& call, std::chrono::milliseconds ti
   gloo::BarrierOptions o(context_);
   o.setTag(static_cast<uint32_t>(call.context.sequence));
   o.setTimeout(timeout);
-  gloo::barrier(o);
+  bounded_wait(timeout, [&] { gloo::barrier(o); });
 }
 
 WorkPtr GlooTransport::start(PointToPoint call) {
@@ -331,6 +353,7 @@ WorkPtr GlooTransport::start(PointToPoint call) {
       const uint64_t slot = p2p_slot(call.tag, call.tensor);
       if (call.is_send) {
         buf->send(call.peer, slot, 0, bytes);
+        wire_.sent(WireKind::kPointToPoint, rank_, call.peer, bytes);
       } else {
         buf->recv(call.peer, slot, 0, bytes);
       }
@@ -341,20 +364,23 @@ WorkPtr GlooTransport::start(PointToPoint call) {
     }
     p2p_waiter_->submit([this, work, buf, call] {
       work->finish(failure_->run(call.context, [&] {
-        try {
-          if (call.is_send) {
-            buf->waitSend(call.timeout);
-          } else {
-            buf->waitRecv(call.timeout);
-          }
-        } catch (const gloo::IoException& e) {
-          if (std::string(e.what()).find("Timed out") == std::string::npos) throw;
-          throw TimeoutError(fmt::format(
-              "no matching {} of {}[{}] with tag {} on rank {} within {} ms: the peer is late, or "
-              "its call has another size or dtype (both are part of the match)",
-              call.is_send ? "recv" : "send", detail::dtype_name(call.tensor.scalar_type()),
-              call.tensor.numel(), call.tag, call.peer, call.timeout.count()));
-        }
+        bounded_wait(
+            call.timeout,
+            [&] {
+              if (call.is_send) {
+                buf->waitSend(call.timeout);
+              } else {
+                buf->waitRecv(call.timeout);
+              }
+            },
+            [&](const std::string&) {
+              return TimeoutError(fmt::format(
+                  "no matching {} of {}[{}] with tag {} on rank {} within {} ms: the peer is late, "
+                  "or "
+                  "its call has another size or dtype (both are part of the match)",
+                  call.is_send ? "recv" : "send", detail::dtype_name(call.tensor.scalar_type()),
+                  call.tensor.numel(), call.tag, call.peer, call.timeout.count()));
+            });
       }));
     });
   });
@@ -363,11 +389,11 @@ WorkPtr GlooTransport::start(PointToPoint call) {
 
 }  // namespace
 
-std::unique_ptr<detail::Transport> make_gloo_transport(
+std::unique_ptr<detail::CollectiveEngine> make_gloo_transport(
     std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
-    std::shared_ptr<detail::StickyFailure> failure) {
+    std::shared_ptr<detail::StickyFailure> failure, detail::WireTally wire) {
   return std::make_unique<GlooTransport>(std::move(store), rank, world_size, options,
-                                         std::move(failure));
+                                         std::move(failure), std::move(wire));
 }
 
 }  // namespace dtrain::gloo_backend

@@ -1,6 +1,5 @@
 #include "comm/gloo/header_exchange.h"
 
-#include <gloo/common/error.h>
 #include <gloo/context.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -10,14 +9,17 @@
 #include <algorithm>
 #include <string>
 
+#include "comm/gloo/bounded_wait.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::gloo_backend {
 
 using detail::CallHeader;
 
-HeaderExchange::HeaderExchange(std::shared_ptr<gloo::Context> context)
-    : context_(std::move(context)), headers_(static_cast<size_t>(context_->size)) {
+HeaderExchange::HeaderExchange(std::shared_ptr<gloo::Context> context, detail::WireTally wire)
+    : context_(std::move(context)),
+      wire_(std::move(wire)),
+      headers_(static_cast<size_t>(context_->size)) {
   buffer_ = context_->createUnboundBuffer(headers_.data(), headers_.size() * sizeof(CallHeader));
 }
 
@@ -40,29 +42,34 @@ void HeaderExchange::run(const CallHeader& mine, uint64_t slot, std::chrono::mil
     if (r != me) buffer_->recv(r, slot, offset(r), sizeof(CallHeader));
   }
   for (int r = 0; r < n; ++r) {
-    if (r != me) buffer_->send(r, slot, offset(me), sizeof(CallHeader));
+    if (r == me) continue;
+    buffer_->send(r, slot, offset(me), sizeof(CallHeader));
+    wire_.sent(detail::WireKind::kControl, me, r, sizeof(CallHeader));
   }
   std::vector<bool> arrived(static_cast<size_t>(n), false);
   arrived[static_cast<size_t>(me)] = true;
   for (int k = 0; k < n - 1; ++k) {
     int from = -1;
-    try {
-      buffer_->waitRecv(&from, left());
-    } catch (const gloo::IoException& e) {
-      if (std::string(e.what()).find("Timed out") == std::string::npos) throw;
-      std::vector<int> missing;
-      for (int r = 0; r < n; ++r) {
-        if (!arrived[static_cast<size_t>(r)]) missing.push_back(r);
-      }
-      throw TimeoutError(fmt::format(
-          "rank(s) {} did not issue collective #{} within {} ms (slow, hung, or they issued "
-          "fewer collectives); this rank issued {}",
-          fmt::join(missing, ", "), mine.sequence, timeout.count(), detail::describe(mine)));
-    }
+    const auto bound = left();
+    bounded_wait(
+        bound, [&] { buffer_->waitRecv(&from, bound); },
+        [&](const std::string&) {
+          std::vector<int> missing;
+          for (int r = 0; r < n; ++r) {
+            if (!arrived[static_cast<size_t>(r)]) missing.push_back(r);
+          }
+          return TimeoutError(fmt::format(
+              "rank(s) {} did not issue collective #{} within {} ms (slow, hung, or they issued "
+              "fewer collectives); this rank issued {}",
+              fmt::join(missing, ", "), mine.sequence, timeout.count(), detail::describe(mine)));
+        });
     if (from >= 0 && from < n) arrived[static_cast<size_t>(from)] = true;
   }
   // Peers posted their receives before sending, so these complete at once.
-  for (int k = 0; k < n - 1; ++k) buffer_->waitSend(left());
+  for (int k = 0; k < n - 1; ++k) {
+    const auto bound = left();
+    bounded_wait(bound, [&] { buffer_->waitSend(bound); });
+  }
   if (auto cause = detail::find_mismatch(headers_)) throw DesyncError(*cause);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "comm/call_header.h"
+#include "comm/wire_counter.h"
 
 namespace gloo {
 class Context;
@@ -25,7 +26,8 @@ namespace dtrain::gloo_backend {
 
 class HeaderExchange {
  public:
-  explicit HeaderExchange(std::shared_ptr<gloo::Context> context);
+  // Counts the headers it sends in `wire` (kControl).
+  HeaderExchange(std::shared_ptr<gloo::Context> context, detail::WireTally wire);
   ~HeaderExchange();
 
   // Exchanges `mine` in Gloo slot `slot` (unique per collective). Throws DesyncError when
@@ -35,6 +37,7 @@ class HeaderExchange {
 
  private:
   std::shared_ptr<gloo::Context> context_;
+  const detail::WireTally wire_;
   std::vector<detail::CallHeader> headers_;  // [rank], received in place
   std::unique_ptr<gloo::transport::UnboundBuffer> buffer_;
 };

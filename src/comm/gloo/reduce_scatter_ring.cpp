@@ -20,7 +20,7 @@ at::Tensor RingScratch::get(int slot, int64_t numel, const at::Tensor& like) {
 }
 
 void reduce_scatter_ring(gloo::Context& context, const at::Tensor& output, const at::Tensor& input,
-                         ReduceFn fn, uint64_t slot, size_t max_segment_bytes,
+                         reduce::ReduceFn fn, uint64_t slot, size_t max_segment_bytes,
                          std::chrono::milliseconds timeout, RingScratch& scratch) {
   const int64_t n = output.numel();
   const size_t elem = input.element_size();

@@ -7,7 +7,7 @@
 #include <chrono>
 #include <cstdint>
 
-#include "comm/gloo/reduce_ops.h"
+#include "comm/reduce/reduce_ops.h"
 
 namespace gloo {
 class Context;
@@ -32,7 +32,7 @@ class RingScratch {
 // wait is bounded by `timeout`. Both tensors are contiguous, of one dtype (checked by the
 // caller). Divides nothing: kAvg is the caller's business.
 void reduce_scatter_ring(gloo::Context& context, const at::Tensor& output, const at::Tensor& input,
-                         ReduceFn fn, uint64_t slot, size_t max_segment_bytes,
+                         reduce::ReduceFn fn, uint64_t slot, size_t max_segment_bytes,
                          std::chrono::milliseconds timeout, RingScratch& scratch);
 
 }  // namespace dtrain::gloo_backend

@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "comm/engine.h"
 #include "comm/nccl/current_stream.h"
-#include "comm/transport.h"
 
 namespace dtrain::nccl_backend {
 namespace {

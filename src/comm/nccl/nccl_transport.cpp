@@ -139,7 +139,7 @@ using detail::Collective;
 using detail::CollectiveOp;
 using detail::PointToPoint;
 
-class NcclTransport final : public detail::Transport {
+class NcclTransport final : public detail::CollectiveEngine {
  public:
   NcclTransport(std::shared_ptr<Store> store, int rank, int world_size,
                 const CommunicatorOptions& options, std::shared_ptr<detail::StickyFailure> failure)
@@ -166,7 +166,7 @@ class NcclTransport final : public detail::Transport {
     headers_.reset();
   }
 
-  Backend backend() const override { return Backend::kNccl; }
+  const char* name() const override { return "nccl"; }
   c10::Device device() const override {
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
   }
@@ -295,7 +295,7 @@ class NcclTransport final : public detail::Transport {
 
 }  // namespace
 
-std::unique_ptr<detail::Transport> make_nccl_transport(
+std::unique_ptr<detail::CollectiveEngine> make_nccl_transport(
     std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
     std::shared_ptr<detail::StickyFailure> failure) {
   return std::make_unique<NcclTransport>(std::move(store), rank, world_size, options,

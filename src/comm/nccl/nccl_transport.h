@@ -1,7 +1,8 @@
 // NCCL backend: CUDA tensors, one NCCL communicator and one CUDA stream per dtrain
 // communicator. Calls are ordered after the caller's stream and return without blocking the
 // host; a watchdog ends calls that fail or hang. Design and error model: docs/nccl.md.
-// Transport code only: argument checks, numbering and timeouts are the front end's.
+// A collective engine (comm/engine.h): argument checks, numbering and timeouts are the front
+// end's.
 //
 // Only the factory is declared here, so that no CUDA or NCCL header reaches code outside
 // src/comm/nccl/.
@@ -9,8 +10,8 @@
 
 #include <memory>
 
+#include "comm/engine.h"
 #include "comm/failure.h"
-#include "comm/transport.h"
 
 namespace dtrain::nccl_backend {
 
@@ -19,7 +20,7 @@ namespace dtrain::nccl_backend {
 // options.device_index, or the current device if it is negative. Throws InvalidArgument
 // without a usable CUDA device, TimeoutError if not every rank joined within
 // options.timeout, CommError if CUDA or NCCL fail.
-std::unique_ptr<detail::Transport> make_nccl_transport(
+std::unique_ptr<detail::CollectiveEngine> make_nccl_transport(
     std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
     std::shared_ptr<detail::StickyFailure> failure);
 

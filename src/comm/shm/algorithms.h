@@ -12,14 +12,15 @@
 #include <cstdint>
 #include <string>
 
-#include "comm/gloo/reduce_ops.h"
-#include "comm/transport.h"
+#include "comm/engine.h"
+#include "comm/reduce/reduce_ops.h"
 #include "comm/shm/barrier.h"
 #include "comm/shm/segment.h"
+#include "comm/wire_counter.h"
 
 namespace dtrain::shm {
 
-using gloo_backend::ReduceFn;
+using reduce::ReduceFn;
 
 // One call's view of the segment: which rank, which buffer set comes next, its deadline.
 class Steps {
@@ -41,6 +42,15 @@ class Steps {
   int next_set() { return static_cast<int>(sets_used_++ % 2); }
   // Every rank finished the previous phase of chunk `chunk`.
   void sync(size_t chunk, size_t chunks);
+  // Count what this call writes into the segment in `wire`, as `kind` (the user's call).
+  void count_in(const detail::WireTally& wire, detail::WireKind kind) {
+    wire_ = &wire;
+    kind_ = kind;
+  }
+  // This rank wrote `bytes` of payload into the segment for its peers to read.
+  void wrote(size_t bytes) {
+    if (wire_ != nullptr) wire_->shared(kind_, bytes);
+  }
 
  private:
   const Segment& segment_;
@@ -50,6 +60,8 @@ class Steps {
   const Clock::time_point deadline_;
   const std::chrono::milliseconds timeout_;
   const std::string label_;
+  const detail::WireTally* wire_ = nullptr;
+  detail::WireKind kind_ = detail::WireKind::kControl;
 };
 
 // The consistency check through the segment: writes this rank's header of `call`, waits at

@@ -24,6 +24,7 @@ void all_gather(Steps& steps, const at::Tensor& output, const at::Tensor& input)
     const size_t len = std::min(per_chunk, n - off);
     const int set = steps.next_set();
     std::memcpy(steps.segment().buffer(set, me), own + off * es, len * es);
+    steps.wrote(len * es);
     steps.sync(c, chunks);
     for (int r = 0; r < world; ++r) {
       if (r == me) continue;

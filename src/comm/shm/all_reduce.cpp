@@ -23,6 +23,7 @@ void all_reduce(Steps& steps, const at::Tensor& tensor, ReduceFn fn) {
     auto slice_lo = [&](int r) { return len * static_cast<size_t>(r) / static_cast<size_t>(world); };
     auto buf = [&](int r) { return steps.segment().buffer(set, r); };
     std::memcpy(buf(me), data + off * es, len * es);
+    steps.wrote(len * es);
     steps.sync(c, chunks);
     const size_t lo = slice_lo(me);
     const size_t hi = slice_lo(me + 1);
@@ -31,6 +32,7 @@ void all_reduce(Steps& steps, const at::Tensor& tensor, ReduceFn fn) {
       fn(out, buf(0) + lo * es, buf(1) + lo * es, hi - lo);
       for (int r = 2; r < world; ++r) fn(out, out, buf(r) + lo * es, hi - lo);
       std::memcpy(buf(me) + lo * es, out, (hi - lo) * es);
+      steps.wrote((hi - lo) * es);
     }
     steps.sync(c, chunks);
     for (int r = 0; r < world; ++r) {

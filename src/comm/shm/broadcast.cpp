@@ -18,7 +18,10 @@ void broadcast(Steps& steps, const at::Tensor& tensor, int root) {
     const size_t off = c * per_chunk;
     const size_t len = std::min(per_chunk, n - off);
     char* set = steps.segment().buffer(steps.next_set(), 0);
-    if (steps.rank() == root) std::memcpy(set, data + off * es, len * es);
+    if (steps.rank() == root) {
+      std::memcpy(set, data + off * es, len * es);
+      steps.wrote(len * es);
+    }
     steps.sync(c, chunks);
     if (steps.rank() != root) std::memcpy(data + off * es, set, len * es);
   }

@@ -7,7 +7,8 @@ namespace dtrain::shm {
 
 using detail::CpuWork;
 
-CallRunner::CallRunner(Barrier& barrier, detail::StickyFailure& failure, detail::Transport& p2p,
+CallRunner::CallRunner(Barrier& barrier, detail::StickyFailure& failure,
+                       detail::CollectiveEngine& p2p,
                        std::function<void(const detail::Collective&)> run)
     : barrier_(barrier),
       failure_(failure),

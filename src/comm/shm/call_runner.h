@@ -11,16 +11,16 @@
 #include <memory>
 
 #include "comm/cpu_work.h"
+#include "comm/engine.h"
 #include "comm/failure.h"
 #include "comm/shm/barrier.h"
-#include "comm/transport.h"
 
 namespace dtrain::shm {
 
 class CallRunner {
  public:
   // `run` moves one collective's data on the executor thread and throws on failure.
-  CallRunner(Barrier& barrier, detail::StickyFailure& failure, detail::Transport& p2p,
+  CallRunner(Barrier& barrier, detail::StickyFailure& failure, detail::CollectiveEngine& p2p,
              std::function<void(const detail::Collective&)> run);
   // Finishes the queued calls, then tells peers this rank left (they fail at once).
   ~CallRunner();
@@ -33,7 +33,7 @@ class CallRunner {
  private:
   Barrier& barrier_;
   detail::StickyFailure& failure_;
-  detail::Transport& p2p_;
+  detail::CollectiveEngine& p2p_;
   const std::function<void(const detail::Collective&)> run_;
   std::unique_ptr<detail::SerialExecutor> p2p_waiter_;
   std::unique_ptr<detail::SerialExecutor> executor_;

@@ -7,7 +7,7 @@
 #include <array>
 
 #include "comm/gloo/gloo_transport.h"
-#include "comm/gloo/reduce_ops.h"
+#include "comm/reduce/reduce_ops.h"
 #include "comm/shm/algorithms.h"
 #include "comm/shm/barrier.h"
 #include "comm/shm/call_runner.h"
@@ -25,28 +25,29 @@ CommunicatorOptions renamed(CommunicatorOptions o, const std::string& suffix) {
   return o;
 }
 
-class HierarchicalTransport final : public detail::Transport {
+class HierarchicalTransport final : public detail::CollectiveEngine {
  public:
   HierarchicalTransport(std::shared_ptr<Store> store, int rank, int world_size,
                         const CommunicatorOptions& options,
-                        std::shared_ptr<detail::StickyFailure> failure, HostLayout layout,
-                        std::unique_ptr<detail::Transport> p2p)
+                        std::shared_ptr<detail::StickyFailure> failure,
+                        std::shared_ptr<detail::WireCounter> wire, HostLayout layout,
+                        std::unique_ptr<detail::CollectiveEngine> p2p)
       : rank_(rank),
         world_size_(world_size),
         layout_(std::move(layout)),
         store_(std::move(store)),
         failure_(std::move(failure)),
+        wire_{wire, std::vector<int>(static_cast<size_t>(world_size), 0)},
         p2p_(std::move(p2p)),
         segment_(join(options)),
         barrier_(segment_, layout_.local, layout_.hosts[static_cast<size_t>(layout_.host)]),
-        leaders_(layout_.local == 0 ? gloo_backend::make_gloo_transport(
-                                          store_, layout_.host,
-                                          static_cast<int>(layout_.hosts.size()),
-                                          renamed(options, "/leaders"), failure_)
-                                    : nullptr),
+        leaders_(layout_.local == 0
+                     ? gloo_backend::make_gloo_transport(
+                           store_, layout_.host, static_cast<int>(layout_.hosts.size()),
+                           renamed(options, "/leaders"), failure_, leaders_tally(wire))
+                     : nullptr),
         calls_(barrier_, *failure_, *p2p_, [this](const Collective& call) { run(call); }) {}
 
-  Backend backend() const override { return Backend::kGloo; }
   const char* name() const override { return "hierarchical"; }
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override {
@@ -58,6 +59,13 @@ class HierarchicalTransport final : public detail::Transport {
   WorkPtr start(PointToPoint call) override { return calls_.start(std::move(call)); }
 
  private:
+  // The leaders' group is one rank per host: every peer is on another host.
+  detail::WireTally leaders_tally(std::shared_ptr<detail::WireCounter> wire) const {
+    std::vector<int> host_of(layout_.hosts.size());
+    for (size_t h = 0; h < host_of.size(); ++h) host_of[h] = static_cast<int>(h);
+    return detail::WireTally{std::move(wire), std::move(host_of)};
+  }
+
   Segment join(const CommunicatorOptions& options) {
     const auto& members = layout_.hosts[static_cast<size_t>(layout_.host)];
     return *join_segment(*store_, layout_.local, static_cast<int>(members.size()),
@@ -104,7 +112,7 @@ class HierarchicalTransport final : public detail::Transport {
   // Sum (min, max) over every rank into `t` on every rank; kAvg is left as the sum.
   void reduce_everywhere(Steps& steps, const Collective& call, const at::Tensor& t,
                          Clock::time_point deadline) {
-    all_reduce(steps, t, gloo_backend::reduce_fn(t.scalar_type(), call.reduce));
+    all_reduce(steps, t, reduce::reduce_fn(t.scalar_type(), call.reduce));
     leaders(call, CollectiveOp::kAllReduce, t, at::Tensor(), -1, deadline);
     broadcast(steps, t, 0);
   }
@@ -137,6 +145,7 @@ class HierarchicalTransport final : public detail::Transport {
   void run(const Collective& call) {
     const auto deadline = Clock::now() + call.timeout;
     const auto seq = static_cast<uint64_t>(call.context.sequence);
+    wire_.shared(detail::WireKind::kControl, sizeof(detail::CallHeader));
     try {
       check_headers(segment_, barrier_, layout_.local, call, deadline);
     } catch (const DesyncError&) {
@@ -145,6 +154,7 @@ class HierarchicalTransport final : public detail::Transport {
     }
     Steps steps(segment_, barrier_, layout_.local, sets_used_, deadline, call.timeout,
                 fmt::format("{} #{}", detail::to_string(call.op), seq));
+    steps.count_in(wire_, detail::wire_kind(call.op));
     switch (call.op) {
       case CollectiveOp::kAllReduce:
         reduce_everywhere(steps, call, call.tensor, deadline);
@@ -158,7 +168,7 @@ class HierarchicalTransport final : public detail::Transport {
         const int64_t n = call.tensor.numel();
         const auto per_host = static_cast<int64_t>(layout_.hosts[0].size());
         at::Tensor by_host = in_host_order(call.input, n);
-        all_reduce(steps, by_host, gloo_backend::reduce_fn(by_host.scalar_type(), call.reduce));
+        all_reduce(steps, by_host, reduce::reduce_fn(by_host.scalar_type(), call.reduce));
         at::Tensor block = scratch(1, per_host * n, call.input.scalar_type());
         leaders(call, CollectiveOp::kReduceScatter, block, by_host, -1, deadline);
         broadcast(steps, block, 0);
@@ -211,10 +221,11 @@ class HierarchicalTransport final : public detail::Transport {
   const HostLayout layout_;
   std::shared_ptr<Store> store_;
   std::shared_ptr<detail::StickyFailure> failure_;
-  std::unique_ptr<detail::Transport> p2p_;
+  const detail::WireTally wire_;  // this host's segment: intra-host
+  std::unique_ptr<detail::CollectiveEngine> p2p_;
   Segment segment_;
   Barrier barrier_;
-  std::unique_ptr<detail::Transport> leaders_;  // local index 0 only
+  std::unique_ptr<detail::CollectiveEngine> leaders_;  // local index 0 only
   uint64_t sets_used_ = 0;                      // executor thread only
   std::array<at::Tensor, 2> scratch_;           // executor thread only, see scratch()
   CallRunner calls_;                            // last: destroyed first, see call_runner.h
@@ -222,13 +233,13 @@ class HierarchicalTransport final : public detail::Transport {
 
 }  // namespace
 
-std::unique_ptr<detail::Transport> make_hierarchical_transport(
+std::unique_ptr<detail::CollectiveEngine> make_hierarchical_transport(
     std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
-    std::shared_ptr<detail::StickyFailure> failure, HostLayout layout,
-    std::unique_ptr<detail::Transport> p2p) {
+    std::shared_ptr<detail::StickyFailure> failure, std::shared_ptr<detail::WireCounter> wire,
+    HostLayout layout, std::unique_ptr<detail::CollectiveEngine> p2p) {
   return std::make_unique<HierarchicalTransport>(std::move(store), rank, world_size, options,
-                                                 std::move(failure), std::move(layout),
-                                                 std::move(p2p));
+                                                 std::move(failure), std::move(wire),
+                                                 std::move(layout), std::move(p2p));
 }
 
 }  // namespace dtrain::shm

@@ -19,8 +19,9 @@
 #include <memory>
 #include <vector>
 
+#include "comm/engine.h"
 #include "comm/failure.h"
-#include "comm/transport.h"
+#include "comm/wire_counter.h"
 
 namespace dtrain::shm {
 
@@ -32,10 +33,11 @@ struct HostLayout {
 
 // Joins this host's segment (store keys under "<options.name>/host<h>") and, on leaders,
 // the leaders' Gloo transport ("<options.name>/leaders"). Throws what join_segment and
-// make_gloo_transport throw.
-std::unique_ptr<detail::Transport> make_hierarchical_transport(
+// make_gloo_transport throw. Counts in `wire`: what this rank writes into its host's segment
+// as intra-host, what the leaders' Gloo group sends as inter-host (one leader per host).
+std::unique_ptr<detail::CollectiveEngine> make_hierarchical_transport(
     std::shared_ptr<Store> store, int rank, int world_size, const CommunicatorOptions& options,
-    std::shared_ptr<detail::StickyFailure> failure, HostLayout layout,
-    std::unique_ptr<detail::Transport> p2p);
+    std::shared_ptr<detail::StickyFailure> failure, std::shared_ptr<detail::WireCounter> wire,
+    HostLayout layout, std::unique_ptr<detail::CollectiveEngine> p2p);
 
 }  // namespace dtrain::shm

@@ -30,6 +30,7 @@ void reduce_scatter(Steps& steps, const at::Tensor& output, const at::Tensor& in
     };
     for (int r = 0; r < world; ++r)
       std::memcpy(region(me, r), in + (static_cast<size_t>(r) * n + off) * es, len * es);
+    steps.wrote(static_cast<size_t>(world) * len * es);
     steps.sync(c, chunks);
     char* dst = out + off * es;
     fn(dst, region(0, me), region(1, me), len);

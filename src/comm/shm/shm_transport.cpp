@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "comm/gloo/reduce_ops.h"
+#include "comm/reduce/reduce_ops.h"
 #include "comm/shm/algorithms.h"
 #include "comm/shm/barrier.h"
 #include "comm/shm/call_runner.h"
@@ -21,21 +21,22 @@ using detail::Collective;
 using detail::CollectiveOp;
 using detail::PointToPoint;
 
-class ShmTransport final : public detail::Transport {
+class ShmTransport final : public detail::CollectiveEngine {
  public:
   ShmTransport(Segment segment, std::shared_ptr<Store> store, int rank, int world_size,
                std::shared_ptr<detail::StickyFailure> failure,
-               std::unique_ptr<detail::Transport> p2p)
+               std::shared_ptr<detail::WireCounter> wire,
+               std::unique_ptr<detail::CollectiveEngine> p2p)
       : rank_(rank),
         world_size_(world_size),
         store_(std::move(store)),
         failure_(std::move(failure)),
+        wire_{std::move(wire), std::vector<int>(static_cast<size_t>(world_size), 0)},
         p2p_(std::move(p2p)),
         segment_(std::move(segment)),
         barrier_(segment_, rank),
         calls_(barrier_, *failure_, *p2p_, [this](const Collective& call) { run(call); }) {}
 
-  Backend backend() const override { return Backend::kGloo; }
   const char* name() const override { return "shared_memory"; }
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   void check_tensor(const at::Tensor& t, const ErrorContext& ctx, const char* what) const override {
@@ -51,18 +52,20 @@ class ShmTransport final : public detail::Transport {
   void run(const Collective& call) {
     const auto deadline = Clock::now() + call.timeout;
     const auto seq = static_cast<uint64_t>(call.context.sequence);
+    wire_.shared(detail::WireKind::kControl, sizeof(detail::CallHeader));
     check_headers(segment_, barrier_, rank_, call, deadline);
 
     Steps steps(segment_, barrier_, rank_, sets_used_, deadline, call.timeout,
                 fmt::format("{} #{}", detail::to_string(call.op), seq));
+    steps.count_in(wire_, detail::wire_kind(call.op));
     switch (call.op) {
       case CollectiveOp::kAllReduce:
-        all_reduce(steps, call.tensor, gloo_backend::reduce_fn(call.tensor.scalar_type(), call.reduce));
+        all_reduce(steps, call.tensor, reduce::reduce_fn(call.tensor.scalar_type(), call.reduce));
         if (call.reduce == ReduceOp::kAvg) call.tensor.div_(world_size_);
         return;
       case CollectiveOp::kReduceScatter:
         reduce_scatter(steps, call.tensor, call.input,
-                       gloo_backend::reduce_fn(call.input.scalar_type(), call.reduce));
+                       reduce::reduce_fn(call.input.scalar_type(), call.reduce));
         if (call.reduce == ReduceOp::kAvg) call.tensor.div_(world_size_);
         return;
       case CollectiveOp::kAllGather:
@@ -81,7 +84,8 @@ class ShmTransport final : public detail::Transport {
   // Kept for the communicator's lifetime (rank 0's may host the TCP store server).
   std::shared_ptr<Store> store_;
   std::shared_ptr<detail::StickyFailure> failure_;
-  std::unique_ptr<detail::Transport> p2p_;
+  const detail::WireTally wire_;  // one host
+  std::unique_ptr<detail::CollectiveEngine> p2p_;
   Segment segment_;
   Barrier barrier_;
   uint64_t sets_used_ = 0;  // executor thread only
@@ -90,11 +94,12 @@ class ShmTransport final : public detail::Transport {
 
 }  // namespace
 
-std::unique_ptr<detail::Transport> make_shm_transport(
+std::unique_ptr<detail::CollectiveEngine> make_shm_transport(
     Segment segment, std::shared_ptr<Store> store, int rank, int world_size,
-    std::shared_ptr<detail::StickyFailure> failure, std::unique_ptr<detail::Transport> p2p) {
+    std::shared_ptr<detail::StickyFailure> failure, std::shared_ptr<detail::WireCounter> wire,
+    std::unique_ptr<detail::CollectiveEngine> p2p) {
   return std::make_unique<ShmTransport>(std::move(segment), std::move(store), rank, world_size,
-                                        std::move(failure), std::move(p2p));
+                                        std::move(failure), std::move(wire), std::move(p2p));
 }
 
 }  // namespace dtrain::shm

@@ -9,15 +9,18 @@
 
 #include <memory>
 
+#include "comm/engine.h"
 #include "comm/failure.h"
 #include "comm/shm/segment.h"
-#include "comm/transport.h"
+#include "comm/wire_counter.h"
 
 namespace dtrain::shm {
 
-// A transport over `segment`, which every rank has joined. `p2p` carries send/recv.
-std::unique_ptr<detail::Transport> make_shm_transport(
+// A transport over `segment`, which every rank has joined. `p2p` carries send/recv. Counts
+// the bytes each rank writes into the segment in `wire`, as intra-host.
+std::unique_ptr<detail::CollectiveEngine> make_shm_transport(
     Segment segment, std::shared_ptr<Store> store, int rank, int world_size,
-    std::shared_ptr<detail::StickyFailure> failure, std::unique_ptr<detail::Transport> p2p);
+    std::shared_ptr<detail::StickyFailure> failure, std::shared_ptr<detail::WireCounter> wire,
+    std::unique_ptr<detail::CollectiveEngine> p2p);
 
 }  // namespace dtrain::shm

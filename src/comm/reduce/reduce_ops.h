@@ -1,5 +1,6 @@
-// Element-wise reductions for Gloo, for every dtype dtrain communicates. Gloo has no
-// bfloat16 type: half and bfloat16 are reduced in float and rounded back, as c10 does.
+// Element-wise reductions of the CPU transports (Gloo, shared memory, hierarchical), for every
+// dtype dtrain communicates. Gloo has no bfloat16 type: half and bfloat16 are reduced in float
+// and rounded back, as c10 does.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -9,7 +10,7 @@
 
 #include "dtrain/communicator.h"
 
-namespace dtrain::gloo_backend {
+namespace dtrain::reduce {
 
 // c[i] = a[i] op b[i] for n elements; c may alias a or b. kAvg reduces as kSum (the
 // division happens once, after the collective).
@@ -21,4 +22,4 @@ ReduceFn reduce_fn(c10::ScalarType dtype, ReduceOp op);
 // Whether dtrain can communicate tensors of this dtype at all.
 bool is_supported_dtype(c10::ScalarType dtype);
 
-}  // namespace dtrain::gloo_backend
+}  // namespace dtrain::reduce

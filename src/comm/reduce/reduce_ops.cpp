@@ -1,4 +1,4 @@
-#include "comm/gloo/reduce_ops.h"
+#include "comm/reduce/reduce_ops.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -10,7 +10,7 @@
 
 #include "dtrain/errors.h"
 
-namespace dtrain::gloo_backend {
+namespace dtrain::reduce {
 namespace {
 
 struct Sum {
@@ -47,7 +47,7 @@ struct Compute<c10::BFloat16> {
 };
 
 template <typename T, typename Op>
-void reduce(void* c, const void* a, const void* b, size_t n) {
+void elementwise(void* c, const void* a, const void* b, size_t n) {
   using C = typename Compute<T>::type;
   auto* out = static_cast<T*>(c);
   const auto* x = static_cast<const T*>(a);
@@ -62,11 +62,11 @@ ReduceFn for_op(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
     case ReduceOp::kAvg:
-      return &reduce<T, Sum>;
+      return &elementwise<T, Sum>;
     case ReduceOp::kMin:
-      return &reduce<T, Min>;
+      return &elementwise<T, Min>;
     case ReduceOp::kMax:
-      return &reduce<T, Max>;
+      return &elementwise<T, Max>;
   }
   return nullptr;
 }
@@ -119,4 +119,4 @@ ReduceFn reduce_fn(c10::ScalarType dtype, ReduceOp op) {
   }
 }
 
-}  // namespace dtrain::gloo_backend
+}  // namespace dtrain::reduce
