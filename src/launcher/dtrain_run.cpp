@@ -3,11 +3,16 @@
 //   dtrain-run --nproc_per_node 2 -- ./my_trainer --flag value
 //   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr host0
 //              --master_port 29500 -- ./my_trainer        (on node 0; node_rank 1 on the other)
+//   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --rdzv_backend etcd
+//              --rdzv_endpoint etcd-host:2379 --rdzv_id job42 -- ./my_trainer
 #include <absl/flags/flag.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdlib>
+#include <map>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -31,6 +36,17 @@ ABSL_FLAG(int, max_restarts, 0,
           "when a rank fails, stop the others and start every rank again, up to this many "
           "times (torchrun's name); the ranks get TORCHELASTIC_RESTART_COUNT, "
           "TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. Only with --nnodes 1 for now");
+ABSL_FLAG(std::string, rdzv_backend, "c10d",
+          "where the job's store lives (torchrun's name): c10d (also static): the TCP store "
+          "rank 0 serves at --master_addr:--master_port, gone with rank 0's host; etcd: an "
+          "external etcd server at --rdzv_endpoint, which survives the loss of any host");
+ABSL_FLAG(std::string, rdzv_endpoint, "",
+          "with --rdzv_backend etcd: host:port of the etcd server (several, comma-separated, "
+          "for the members of an etcd cluster)");
+ABSL_FLAG(std::string, rdzv_id, "",
+          "with --rdzv_backend etcd: the job's id, the same on every node (e.g. the Slurm job "
+          "id); its keys live under /dtrain/<id>/ in etcd. Required with --nnodes > 1; on one "
+          "node a fresh one is made up. The ranks get it as TORCHELASTIC_RUN_ID");
 ABSL_FLAG(std::string, blas_kernel, "auto",
           "auto: when OpenBLAS would run its generic kernels, or an older family than this CPU "
           "supports (e.g. Haswell on an AVX-512 CPU), start the ranks with OPENBLAS_CORETYPE set "
@@ -65,6 +81,11 @@ most N times; a signal to dtrain-run is never followed by a restart); the ranks 
 TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. A trainer
 that resumes from its newest checkpoint continues from there.
 
+With --rdzv_backend etcd --rdzv_endpoint HOST:PORT --rdzv_id ID, the ranks meet through an
+external etcd server instead of a store served by rank 0 (DTRAIN_RDZV_BACKEND,
+DTRAIN_RDZV_ENDPOINT and TORCHELASTIC_RUN_ID in their environment), so the job's store
+survives the loss of any of its hosts, rank 0's included.
+
 GPUs: CUDA_VISIBLE_DEVICES is passed on unchanged, and each rank picks its GPU by dtrain's
 device contract (dtrain/rendezvous.h, LaunchInfo::cuda_device): GPU LOCAL_RANK, or 0 when
 CUDA_VISIBLE_DEVICES shows the rank a single GPU. With NCCL, more ranks per node than GPUs
@@ -76,6 +97,38 @@ exit status: 0 when every rank exited 0; otherwise the failed rank's exit code, 
 130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 2 for a usage error.
 
 )";
+
+// The ranks' rendezvous variables for --rdzv_backend / --rdzv_endpoint / --rdzv_id.
+std::map<std::string, std::string> rendezvous_environment(int nnodes) {
+  const std::string backend = absl::GetFlag(FLAGS_rdzv_backend);
+  std::string endpoint = absl::GetFlag(FLAGS_rdzv_endpoint);
+  std::string id = absl::GetFlag(FLAGS_rdzv_id);
+  if (backend == "c10d" || backend == "static") {
+    if (!endpoint.empty())
+      throw std::invalid_argument("--rdzv_endpoint is for --rdzv_backend etcd; the built-in "
+                                  "store is at --master_addr and --master_port");
+    return {};
+  }
+  if (backend != "etcd")
+    throw std::invalid_argument("--rdzv_backend expects c10d, static or etcd, got '" + backend +
+                                "'");
+  if (endpoint.empty())
+    throw std::invalid_argument("--rdzv_backend etcd needs --rdzv_endpoint HOST:PORT (the etcd "
+                                "server's client URL)");
+  if (id.empty()) {
+    if (nnodes > 1)
+      throw std::invalid_argument("--rdzv_backend etcd with --nnodes > 1 needs --rdzv_id: the "
+                                  "same id on every node, new for every job");
+    // One node: nobody else must agree on it, and a fresh id never meets an old run's keys.
+    std::random_device rd;
+    id = fmt::format("dtrain-run-{}-{:08x}", getpid(), rd());
+  }
+  if (id.find('/') != std::string::npos)
+    throw std::invalid_argument("--rdzv_id must not contain '/', got '" + id + "'");
+  return {{"DTRAIN_RDZV_BACKEND", "etcd"},
+          {"DTRAIN_RDZV_ENDPOINT", endpoint},
+          {"TORCHELASTIC_RUN_ID", id}};
+}
 
 struct BlasOptions {
   dtrain::BlasKernelPolicy policy = dtrain::BlasKernelPolicy::kAuto;
@@ -110,6 +163,7 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   if (blas.info_only) return o;
   if (o.argv.empty()) throw std::invalid_argument("no program given");
   if (o.nnodes > 1 && o.master_port == 0) o.master_port = 29500;  // torchrun's default
+  o.environment = rendezvous_environment(o.nnodes);
   dtrain::launcher::validate(o);
   return o;
 }
@@ -176,7 +230,7 @@ int main(int argc, char** argv) {
       (plan.action == dtrain::BlasKernelPlan::Action::kUserSet && !plan.missed_kernel.empty())) {
     fmt::print(stderr, "dtrain-run: blas: {}\n", plan.note);
   }
-  options->environment = plan.environment;
+  options->environment.insert(plan.environment.begin(), plan.environment.end());
   try {
     return dtrain::launcher::run_node(*options);
   } catch (const std::exception& e) {
