@@ -67,7 +67,8 @@ common_pkgs=(
   python3
 )
 case "$flavour" in
-  cpu) pkgs=("${common_pkgs[@]}" libtorch-dev libgloo-dev python3-torch) ;;
+  # etcd-server: the etcd store's tests start a real etcd (3.5 in trixie).
+  cpu) pkgs=("${common_pkgs[@]}" libtorch-dev libgloo-dev python3-torch etcd-server) ;;
   cuda) pkgs=("${common_pkgs[@]}" libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit libnccl-dev) ;;
   *) die "unknown flavour '$flavour' (cpu or cuda)" ;;
 esac

@@ -17,6 +17,9 @@ PKGS=(
   clang libclang-rt-14-dev
   # ip(8): the multi-host test joins two network namespaces with a veth pair.
   iproute2
+  # etcd: the etcd store's tests start a real server (the etcd executable, on free ports);
+  # the package's own service, where systemd runs it, is not used.
+  etcd-server
   # fetch-data.sh downloads the example's data with the machine's npm client (not an apt
   # package here: the machine provides it, configured for its registry).
   ca-certificates

@@ -13,6 +13,7 @@
 #include "dtrain/data_parallel.h"
 #include "dtrain/deferred_init.h"
 #include "dtrain/errors.h"
+#include "dtrain/etcd_store.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/fused_adamw.h"
 #include "dtrain/grad_scaler.h"

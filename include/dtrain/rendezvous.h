@@ -25,6 +25,13 @@
 // transport) where the program leaves it at kAuto.
 // DTRAIN_STORE_TOKEN (optional, at most 1024 bytes): a secret shared by the job's processes;
 // the store refuses a process that does not present it (TcpStoreOptions::token).
+// DTRAIN_RDZV_BACKEND (dtrain-run's --rdzv_backend, torchrun's name): where the job's store
+// lives. c10d (also static or tcp; the default): the TCP store rank 0 serves at
+// MASTER_ADDR:MASTER_PORT, which ends with rank 0's host. etcd: an external etcd server at
+// DTRAIN_RDZV_ENDPOINT (host:port[,host:port...], required then), which survives the loss of
+// any host; keys live under /dtrain/<TORCHELASTIC_RUN_ID>/<DTRAIN_GENERATION>/ (run id
+// "none" and generation 0 when unset), and MASTER_ADDR, MASTER_PORT and DTRAIN_STORE_TOKEN
+// play no part in it.
 // CUDA_VISIBLE_DEVICES is read for the device contract (LaunchInfo::cuda_device).
 // LaunchInfo::from_env() is the only place dtrain reads these variables.
 #pragma once
@@ -39,6 +46,10 @@
 #include "dtrain/store.h"
 
 namespace dtrain {
+
+// Where the job's store lives (DTRAIN_RDZV_BACKEND).
+enum class RendezvousBackend { kTcp, kEtcd };
+const char* to_string(RendezvousBackend backend);
 
 // The launcher convention LaunchInfo::from_env found.
 enum class LaunchSource { kNone, kTorchrun, kOpenMpi, kSlurm };
@@ -58,6 +69,15 @@ struct LaunchInfo {
   // store's clients; empty: none.
   std::string store_token;
   LaunchSource source = LaunchSource::kNone;
+  // DTRAIN_RDZV_BACKEND, DTRAIN_RDZV_ENDPOINT: connect_store uses the TCP store of rank 0, or
+  // the etcd server at rdzv_endpoint (kEtcd requires it).
+  RendezvousBackend rdzv_backend = RendezvousBackend::kTcp;
+  std::string rdzv_endpoint;
+  // TORCHELASTIC_RUN_ID (dtrain-run's --rdzv_id) and DTRAIN_GENERATION: the etcd keys of this
+  // job and generation live under /dtrain/<run_id>/<generation>/, so runs and restarts that
+  // share one etcd never see each other's keys.
+  std::string run_id = "none";
+  int generation = 0;
   // DTRAIN_COLLECTIVE_CHECK: communicator_options raises CommunicatorOptions::consistency to
   // this level, never lowers it.
   Consistency consistency = Consistency::kCheap;
@@ -108,11 +128,13 @@ struct LaunchInfo {
 // LibTorch built without CUDA.
 int cuda_device_count();
 
-// Connects to (on rank 0: serves) the TCP store at master_addr:master_port, then checks
+// Connects to (on rank 0: serves) the TCP store at master_addr:master_port, or with
+// rdzv_backend kEtcd connects every rank to the etcd server at rdzv_endpoint, then checks
 // that the job is launched consistently: every rank of [0, world_size) is claimed by
 // exactly one process, and all agree on world_size. Otherwise every rank throws
 // dtrain::InvalidArgument naming both sides (e.g. two hosts with the same --node_rank, or
-// hosts started with different --nnodes / --nproc_per_node). An unreachable master throws
+// hosts started with different --nnodes / --nproc_per_node, or an etcd still holding an
+// earlier run with the same run id and generation). An unreachable master or etcd throws
 // dtrain::TimeoutError after `timeout`; a port already taken on the master throws
 // dtrain::CommError on rank 0.
 std::shared_ptr<Store> connect_store(const LaunchInfo& info,

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/store/etcd_http.h"
 #include "comm/store/protocol.h"
 #include "dtrain/errors.h"
 #include "dtrain/rendezvous.h"
@@ -212,7 +213,40 @@ bool read_slurm(const Env& env, LaunchInfo& i) {
   return true;
 }
 
+void read_rendezvous(const Env& env, LaunchInfo& info) {
+  if (const std::string* b = lookup(env, "DTRAIN_RDZV_BACKEND")) {
+    if (*b == "etcd" || *b == "etcd-v2") {
+      info.rdzv_backend = RendezvousBackend::kEtcd;
+    } else if (*b != "c10d" && *b != "static" && *b != "tcp") {
+      fail(fmt::format("DTRAIN_RDZV_BACKEND='{}': expected c10d (the built-in TCP store; also "
+                       "static or tcp) or etcd",
+                       *b));
+    }
+  }
+  if (const std::string* e = lookup(env, "DTRAIN_RDZV_ENDPOINT")) info.rdzv_endpoint = *e;
+  if (info.rdzv_backend == RendezvousBackend::kEtcd) {
+    if (info.rdzv_endpoint.empty())
+      fail("DTRAIN_RDZV_BACKEND=etcd needs DTRAIN_RDZV_ENDPOINT (host:port of the etcd server, "
+           "dtrain-run's --rdzv_endpoint)");
+    try {
+      detail::parse_etcd_endpoints(info.rdzv_endpoint);
+    } catch (const std::invalid_argument& e) {
+      fail(fmt::format("DTRAIN_RDZV_ENDPOINT: {}", e.what()));
+    }
+  }
+  if (const std::string* id = lookup(env, "TORCHELASTIC_RUN_ID")) info.run_id = *id;
+  // The generation an elastic launcher numbers; a plain restart count where only that is set.
+  info.generation = get_int(env, "TORCHELASTIC_RESTART_COUNT", 0);
+  info.generation = get_int(env, "DTRAIN_GENERATION", info.generation);
+  if (info.generation < 0)
+    fail(fmt::format("DTRAIN_GENERATION={} must be >= 0", info.generation));
+}
+
 }  // namespace
+
+const char* to_string(RendezvousBackend backend) {
+  return backend == RendezvousBackend::kEtcd ? "etcd" : "c10d";
+}
 
 const char* to_string(LaunchSource source) {
   switch (source) {
@@ -271,6 +305,7 @@ LaunchInfo LaunchInfo::from_env(const std::map<std::string, std::string>& env) {
                        store_protocol::kMaxTokenBytes));
     info.store_token = *token;
   }
+  read_rendezvous(env, info);
   // Read even when empty: CUDA_VISIBLE_DEVICES="" hides every device.
   if (auto it = env.find("CUDA_VISIBLE_DEVICES"); it != env.end())
     info.cuda_visible_devices = it->second;

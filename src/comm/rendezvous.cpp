@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/errors.h"
+#include "dtrain/etcd_store.h"
 
 namespace dtrain {
 namespace {
@@ -16,6 +17,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 int64_t get_int(Store& store, const std::string& key) { return store.add(key, 0); }
+
+// Where the store is, for messages.
+std::string store_location(const LaunchInfo& info) {
+  if (info.rdzv_backend == RendezvousBackend::kEtcd)
+    return fmt::format("etcd {} (run '{}', generation {})", info.rdzv_endpoint, info.run_id,
+                       info.generation);
+  return fmt::format("{}:{}", info.master_addr, info.master_port);
+}
 
 // Checks, through the store, that every rank of [0, world_size) is claimed by exactly one
 // process and that all agree on world_size; a failure seen by one rank is published under
@@ -39,9 +48,16 @@ class LaunchCheck {
             fmt::format("info/{}", info_.rank), std::min(timeout_, std::chrono::milliseconds(5000))));
       } catch (const TimeoutError&) {
       }
+      std::string etcd;
+      if (info_.rdzv_backend == RendezvousBackend::kEtcd) {
+        etcd = fmt::format(" Or does etcd still hold an earlier run with this run id? Pick a "
+                           "new --rdzv_id (TORCHELASTIC_RUN_ID), or remove the old keys with "
+                           "`etcdctl del --prefix /dtrain/{}/`.",
+                           info_.run_id);
+      }
       fail(fmt::format("rank {} is claimed twice: by {} and by {}; were two hosts started with "
-                       "the same --node_rank, or with different --nnodes / --nproc_per_node?",
-                       info_.rank, other, me));
+                       "the same --node_rank, or with different --nnodes / --nproc_per_node?{}",
+                       info_.rank, other, me, etcd));
     }
     store_->set(fmt::format("info/{}", info_.rank), fmt::format("{}\n{}", info_.world_size, me));
     const std::string first = store_->get_string("info/0", timeout_);
@@ -76,17 +92,17 @@ class LaunchCheck {
       const int64_t joined = get_int(*store_, "joined");
       if (joined >= info_.world_size) return;
       if (Clock::now() >= deadline) {
-        throw TimeoutError(ctx_, fmt::format("only {} of {} ranks joined at {}:{} within {} ms",
-                                             joined, info_.world_size, info_.master_addr,
-                                             info_.master_port, timeout_.count()));
+        throw TimeoutError(ctx_, fmt::format("only {} of {} ranks joined at {} within {} ms",
+                                             joined, info_.world_size, store_location(info_),
+                                             timeout_.count()));
       }
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
       backoff = std::min(backoff * 2, std::chrono::milliseconds(50));
     }
   }
 
-  // Publishes `why` (unless it came from the store) and throws it. Rank 0 serves the store:
-  // it lingers briefly so that the others read the error before the store goes away.
+  // Publishes `why` (unless it came from the store) and throws it. Rank 0 may serve the
+  // store: it lingers briefly so that the others read the error before the store goes away.
   [[noreturn]] void fail(const std::string& why, bool publish = true) {
     if (publish && !store_->check({"error"})) store_->set("error", why);
     store_->add("error_seen", 1);
@@ -124,6 +140,11 @@ void LaunchInfo::validate() const {
   if (master_port < 1 || master_port > 65535)
     fail(fmt::format("MASTER_PORT={} must be in [1, 65535]", master_port));
   if (master_addr.empty()) fail("MASTER_ADDR is empty");
+  if (rdzv_backend == RendezvousBackend::kEtcd && rdzv_endpoint.empty())
+    fail("rdzv_backend etcd needs rdzv_endpoint (DTRAIN_RDZV_ENDPOINT): host:port of etcd");
+  if (rdzv_backend == RendezvousBackend::kEtcd && run_id.empty())
+    fail("rdzv_backend etcd needs a run id (TORCHELASTIC_RUN_ID)");
+  if (generation < 0) fail(fmt::format("generation {} must be >= 0", generation));
 }
 
 CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options) const {
@@ -135,24 +156,42 @@ CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options
   return options;
 }
 
-std::shared_ptr<Store> connect_store(const LaunchInfo& info, std::chrono::milliseconds timeout) {
-  info.validate();
+namespace {
+
+std::shared_ptr<Store> make_launch_store(const LaunchInfo& info,
+                                         std::chrono::milliseconds timeout) {
+  if (info.rdzv_backend == RendezvousBackend::kEtcd) {
+    EtcdStoreOptions o;
+    o.endpoints = info.rdzv_endpoint;
+    o.key_prefix = fmt::format("/dtrain/{}/{}/", info.run_id, info.generation);
+    o.timeout = timeout;
+    return make_etcd_store(o);
+  }
   TcpStoreOptions o;
   o.host = info.master_addr;
   o.port = static_cast<uint16_t>(info.master_port);
   o.is_server = info.rank == 0;
   o.timeout = timeout;
   o.token = info.store_token;
+  return make_tcp_store(o);
+}
+
+}  // namespace
+
+std::shared_ptr<Store> connect_store(const LaunchInfo& info, std::chrono::milliseconds timeout) {
+  info.validate();
+  const bool etcd = info.rdzv_backend == RendezvousBackend::kEtcd;
   std::shared_ptr<Store> store;
   try {
-    store = make_tcp_store(o);
+    store = make_launch_store(info, timeout);
   } catch (const Error& e) {
     // Name the rank and the master: the store's own message knows neither.
     const ErrorContext ctx{info.rank, info.world_size, "rendezvous", -1};
     if (dynamic_cast<const TimeoutError*>(&e)) {
-      throw TimeoutError(ctx, fmt::format("master {}:{} unreachable: {}", info.master_addr,
-                                          info.master_port, e.cause()));
+      throw TimeoutError(ctx, fmt::format("{} {} unreachable: {}", etcd ? "etcd" : "master",
+                                          store_location(info), e.cause()));
     }
+    if (dynamic_cast<const InvalidArgument*>(&e)) throw InvalidArgument(ctx, e.cause());
     throw CommError(ctx, e.cause());
   }
   try {
@@ -163,10 +202,10 @@ std::shared_ptr<Store> connect_store(const LaunchInfo& info, std::chrono::millis
     if (e.context().rank >= 0) throw;
     // A store call failed: say which rank, and what a silent or closed server may mean.
     const ErrorContext ctx{info.rank, info.world_size, "rendezvous", -1};
-    const std::string why = fmt::format("{}: {} (is {}:{} served by a program other than this "
-                                        "job's rank 0?)",
-                                        e.context().op, e.cause(), info.master_addr,
-                                        info.master_port);
+    const std::string why =
+        etcd ? fmt::format("{}: {} (through {})", e.context().op, e.cause(), store_location(info))
+             : fmt::format("{}: {} (is {}:{} served by a program other than this job's rank 0?)",
+                           e.context().op, e.cause(), info.master_addr, info.master_port);
     if (dynamic_cast<const TimeoutError*>(&e)) throw TimeoutError(ctx, why);
     throw CommError(ctx, why);
   }

@@ -3,12 +3,17 @@
 //   dtrain-run --nproc_per_node 2 -- ./my_trainer --flag value
 //   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --master_addr host0
 //              --master_port 29500 -- ./my_trainer        (on node 0; node_rank 1 on the other)
+//   dtrain-run --nnodes 2 --node_rank 0 --nproc_per_node 4 --rdzv_backend etcd
+//              --rdzv_endpoint etcd-host:2379 --rdzv_id job42 -- ./my_trainer
 #include <absl/flags/flag.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <map>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,9 +34,12 @@ ABSL_FLAG(std::string, nnodes, "1",
 ABSL_FLAG(std::string, host_id, "",
           "elastic: this host's name in messages and failure counts (default: the hostname); "
           "letters, digits, '.', '-', '_', ':'");
-ABSL_FLAG(std::string, rdzv_id, "none",
-          "elastic: the job's name in the rendezvous store; agents of one job share it "
-          "(torchrun's name)");
+ABSL_FLAG(std::string, rdzv_id, "",
+          "the job's id, the same on every node (torchrun's name; e.g. the Slurm job id). "
+          "Elastic agents meet under it in the rendezvous store (default: none). With "
+          "--rdzv_backend etcd the ranks' keys live under /dtrain/<id>/ in etcd and the ranks "
+          "get it as TORCHELASTIC_RUN_ID; required there with more than one node, made up on "
+          "one node");
 ABSL_FLAG(double, rdzv_last_call_s, 5,
           "elastic: a round with at least MIN and fewer than MAX agents closes when nobody has "
           "joined for this long (torchrun's last_call_timeout)");
@@ -55,6 +63,13 @@ ABSL_FLAG(int, max_restarts, 0,
           "times (torchrun's name); the ranks get TORCHELASTIC_RESTART_COUNT, "
           "TORCHELASTIC_MAX_RESTARTS and DTRAIN_GENERATION. With --nnodes N only for N = 1; "
           "with --nnodes MIN:MAX, failed generations of the whole job");
+ABSL_FLAG(std::string, rdzv_backend, "c10d",
+          "where the job's store lives (torchrun's name): c10d (also static): the TCP store "
+          "rank 0 serves at --master_addr:--master_port, gone with rank 0's host; etcd: an "
+          "external etcd server at --rdzv_endpoint, which survives the loss of any host");
+ABSL_FLAG(std::string, rdzv_endpoint, "",
+          "with --rdzv_backend etcd: host:port of the etcd server (several, comma-separated, "
+          "for the members of an etcd cluster)");
 ABSL_FLAG(std::string, blas_kernel, "auto",
           "auto: when OpenBLAS would run its generic kernels, or an older family than this CPU "
           "supports (e.g. Haswell on an AVX-512 CPU), start the ranks with OPENBLAS_CORETYPE set "
@@ -97,6 +112,11 @@ asks to join, every agent stops its ranks and they form the next generation (a f
 one of --max_restarts). Ranks also get DTRAIN_STORE_TOKEN ending in "/generation/N", so a
 rank of an old generation is refused by the new one's store.
 
+With --rdzv_backend etcd --rdzv_endpoint HOST:PORT --rdzv_id ID, the ranks meet through an
+external etcd server instead of a store served by rank 0 (DTRAIN_RDZV_BACKEND,
+DTRAIN_RDZV_ENDPOINT and TORCHELASTIC_RUN_ID in their environment), so the job's store
+survives the loss of any of its hosts, rank 0's included.
+
 GPUs: CUDA_VISIBLE_DEVICES is passed on unchanged, and each rank picks its GPU by dtrain's
 device contract (dtrain/rendezvous.h, LaunchInfo::cuda_device): GPU LOCAL_RANK, or 0 when
 CUDA_VISIBLE_DEVICES shows the rank a single GPU. With NCCL, more ranks per node than GPUs
@@ -108,6 +128,38 @@ exit status: 0 when every rank exited 0; otherwise the failed rank's exit code, 
 130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 2 for a usage error.
 
 )";
+
+// The ranks' rendezvous variables for --rdzv_backend / --rdzv_endpoint / --rdzv_id.
+std::map<std::string, std::string> rendezvous_environment(int nnodes) {
+  const std::string backend = absl::GetFlag(FLAGS_rdzv_backend);
+  std::string endpoint = absl::GetFlag(FLAGS_rdzv_endpoint);
+  std::string id = absl::GetFlag(FLAGS_rdzv_id);
+  if (backend == "c10d" || backend == "static") {
+    if (!endpoint.empty())
+      throw std::invalid_argument("--rdzv_endpoint is for --rdzv_backend etcd; the built-in "
+                                  "store is at --master_addr and --master_port");
+    return {};
+  }
+  if (backend != "etcd")
+    throw std::invalid_argument("--rdzv_backend expects c10d, static or etcd, got '" + backend +
+                                "'");
+  if (endpoint.empty())
+    throw std::invalid_argument("--rdzv_backend etcd needs --rdzv_endpoint HOST:PORT (the etcd "
+                                "server's client URL)");
+  if (id.empty()) {
+    if (nnodes > 1)
+      throw std::invalid_argument("--rdzv_backend etcd with --nnodes > 1 needs --rdzv_id: the "
+                                  "same id on every node, new for every job");
+    // One node: nobody else must agree on it, and a fresh id never meets an old run's keys.
+    std::random_device rd;
+    id = fmt::format("dtrain-run-{}-{:08x}", getpid(), rd());
+  }
+  if (id.find('/') != std::string::npos)
+    throw std::invalid_argument("--rdzv_id must not contain '/', got '" + id + "'");
+  return {{"DTRAIN_RDZV_BACKEND", "etcd"},
+          {"DTRAIN_RDZV_ENDPOINT", endpoint},
+          {"TORCHELASTIC_RUN_ID", id}};
+}
 
 struct BlasOptions {
   dtrain::BlasKernelPolicy policy = dtrain::BlasKernelPolicy::kAuto;
@@ -167,6 +219,8 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   if ((o.nnodes > 1 || elastic.max_nodes > 0) && o.master_port == 0) {
     o.master_port = 29500;  // torchrun's default
   }
+  // Elastic agents must agree on the id too: count them as MAX nodes.
+  o.environment = rendezvous_environment(std::max(o.nnodes, elastic.max_nodes));
   if (elastic.max_nodes == 0) {
     dtrain::launcher::validate(o);
     return o;
@@ -186,8 +240,9 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
       duration(absl::GetFlag(FLAGS_heartbeat_timeout_s), "heartbeat_timeout_s");
   elastic.max_host_failures = absl::GetFlag(FLAGS_max_host_failures);
   elastic.rdzv_id = absl::GetFlag(FLAGS_rdzv_id);
-  if (elastic.rdzv_id.empty() || elastic.rdzv_id.find('/') != std::string::npos) {
-    throw std::invalid_argument("--rdzv_id must be non-empty and without '/'");
+  if (elastic.rdzv_id.empty()) elastic.rdzv_id = "none";  // torchrun's default
+  if (elastic.rdzv_id.find('/') != std::string::npos) {
+    throw std::invalid_argument("--rdzv_id must not contain '/'");
   }
   elastic.node = o;
   dtrain::launcher::validate(elastic);
@@ -257,10 +312,10 @@ int main(int argc, char** argv) {
       (plan.action == dtrain::BlasKernelPlan::Action::kUserSet && !plan.missed_kernel.empty())) {
     fmt::print(stderr, "dtrain-run: blas: {}\n", plan.note);
   }
-  options->environment = plan.environment;
+  options->environment.insert(plan.environment.begin(), plan.environment.end());
   try {
     if (elastic.max_nodes > 0) {
-      elastic.node.environment = plan.environment;
+      elastic.node.environment.insert(plan.environment.begin(), plan.environment.end());
       // The agents present the job's token (if any) to their store; the ranks of
       // generation N get it with "/generation/N" appended.
       const char* token = std::getenv("DTRAIN_STORE_TOKEN");

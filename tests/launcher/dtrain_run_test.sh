@@ -2,8 +2,8 @@
 # dtrain-run's contract, checked with `sh -c` ranks: the rank variables, exit status, which
 # failed rank is named, stopping the other ranks, signal forwarding, process groups (what a rank
 # starts is stopped with it), ranks dying with the launcher, the ranks' BLAS kernel, the
-# CPU's bf16 line, no process of a rank's tree outliving the launcher (#17), and restarts
-# (#18).
+# CPU's bf16 line, no process of a rank's tree outliving the launcher (#17), restarts
+# (#18), and the etcd rendezvous flags (#32).
 # Usage: dtrain_run_test.sh path/to/dtrain-run [path/to/fake_openblas.so]
 # The ranks' scripts are single-quoted on purpose: the variables expand in the ranks.
 # shellcheck disable=SC2016
@@ -411,6 +411,29 @@ tree_gone 5 "${mark_base}_18c" "18c: SIGTERM with --max_restarts"
 expect_status 2 "$run" --max_restarts -1 -- true
 expect_status 2 "$run" --nnodes 2 --node_rank 0 --master_port 29999 --max_restarts 1 -- true
 expect_stderr "max_restarts needs nnodes 1"
+
+# 32. --rdzv_backend etcd: the ranks get the rendezvous variables (torchrun's run id among
+#     them); one node makes up a fresh id, several need one; bad combinations are usage errors.
+#     (Jobs that really meet through etcd: tests/comm/etcd_rendezvous_test.cpp.)
+expect_status 0 "$run" --nproc_per_node 2 --rdzv_backend etcd --rdzv_endpoint 127.0.0.1:1 \
+  --rdzv_id job32 -- sh -c \
+  'echo "$DTRAIN_RDZV_BACKEND $DTRAIN_RDZV_ENDPOINT $TORCHELASTIC_RUN_ID" > '"$tmp"'/rdzv$RANK'
+[ "$(cat "$tmp/rdzv0" "$tmp/rdzv1" | tr '\n' ' ')" = "etcd 127.0.0.1:1 job32 etcd 127.0.0.1:1 job32 " ] ||
+  fail "32: rank rendezvous variables: $(cat "$tmp/rdzv0" "$tmp/rdzv1" | tr '\n' ' ')"
+expect_status 0 "$run" --nproc_per_node 1 --rdzv_backend etcd --rdzv_endpoint 127.0.0.1:1 -- sh -c \
+  'echo "$TORCHELASTIC_RUN_ID" > '"$tmp"'/rdzv_id'
+grep -q '^dtrain-run-' "$tmp/rdzv_id" || fail "32: no run id made up on one node: $(cat "$tmp/rdzv_id")"
+expect_status 0 "$run" --nproc_per_node 1 -- sh -c \
+  'echo "${DTRAIN_RDZV_BACKEND:-unset}" > '"$tmp"'/rdzv_default'
+[ "$(cat "$tmp/rdzv_default")" = unset ] || fail "32: the default backend set variables"
+expect_status 2 "$run" --rdzv_backend etcd -- true
+expect_stderr "needs --rdzv_endpoint"
+expect_status 2 "$run" --nnodes 2 --rdzv_backend etcd --rdzv_endpoint 127.0.0.1:1 -- true
+expect_stderr "needs --rdzv_id"
+expect_status 2 "$run" --rdzv_backend zookeeper -- true
+expect_stderr "expects c10d, static or etcd"
+expect_status 2 "$run" --rdzv_endpoint 127.0.0.1:1 -- true
+expect_stderr "is for --rdzv_backend etcd"
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed" >&2

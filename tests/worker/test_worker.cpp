@@ -12,7 +12,9 @@
 // master's port), "desync_size" (rank r all-reduces 1024 >> r floats: ranks disagree),
 // "grad_scaler_*" and "autocast_*" (mixed precision, amp_scenarios.h), "fsdp_reshard_all" /
 // "fsdp_reshard_host" (FSDP training with ReshardAfterForward kAll / kHost, hosts of
-// LOCAL_WORLD_SIZE ranks; rank 0 writes the full parameters, raw fp32, to out_path).
+// LOCAL_WORLD_SIZE ranks; rank 0 writes the full parameters, raw fp32, to out_path),
+// "store_set" (connect_store, set from_rank/<rank> to "alive", wait for every rank's
+// from_rank/<r>, exit: a rank that leaves after the rendezvous).
 // Exit codes: 0 ok, 3 dtrain::CommError, 4 dtrain::TimeoutError, 5 dtrain::DesyncError,
 // 1 other.
 #include <ATen/ATen.h>
@@ -88,6 +90,15 @@ int main(int argc, char** argv) {
   dtrain::CommunicatorOptions o;
   o.timeout = std::chrono::milliseconds(std::stoi(argv[2]));
   try {
+    if (scenario == "store_set") {  // meets the others, publishes a key and leaves
+      auto info = dtrain::LaunchInfo::from_env();
+      auto store = dtrain::connect_store(info, o.timeout);
+      store->set("from_rank/" + std::to_string(info.rank), std::string("alive"));
+      for (int r = 0; r < info.world_size; ++r)  // leaves once the others are done with it
+        store->wait({"from_rank/" + std::to_string(r)}, o.timeout);
+      std::printf("rank %d set\n", info.rank);
+      return 0;
+    }
     auto info = dtrain::LaunchInfo::from_env();
     // The FSDP resharding scenarios build a host group too, through the job's store.
     const bool reshard = scenario == "fsdp_reshard_all" || scenario == "fsdp_reshard_host";
