@@ -15,10 +15,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "dtrain/strategy.h"
 #include "model.h"
 
 namespace gpt2 {
@@ -37,5 +39,29 @@ void export_hf_safetensors(const std::string& path,
 // buffers in the file are ignored. Throws dtrain::CheckpointError naming the file and the
 // tensor.
 void init_from_hf_safetensors(const std::string& path, Gpt& model);
+
+// What load_hf_safetensors read on this rank.
+struct HfLoadStats {
+  int64_t tensors = 0;     // parameters of which this rank holds elements
+  int64_t elements = 0;    // elements written into this rank's parameters or shards
+  int64_t bytes_read = 0;  // data bytes read from the file (SafetensorsReader::bytes_read)
+};
+
+// Streams a Hugging Face GPT-2 safetensors file into `strategy`'s parameters, after the
+// strategy is built (with deferred initialisation under FSDP: no rank ever holds the whole
+// model). Each rank reads, from the memory-mapped file, only the bytes of the elements its
+// strategy.state_layout() holds: under FSDP its shards (a Conv1D weight, stored transposed,
+// costs at most two of our rows more), under single-device or DDP every parameter. Same
+// names, shapes and errors as init_from_hf_safetensors, checked on every rank before
+// anything is written; then strategy.state_loaded(). Not collective.
+HfLoadStats load_hf_safetensors(const std::string& path, dtrain::Strategy& strategy);
+
+// Writes `strategy`'s parameters to `path` in Hugging Face's layout, the same bytes as the
+// overload above given the full parameters, streamed: rank 0 writes the header, then
+// receives and writes one tensor at a time (each element from exactly one rank: replicas
+// split theirs), so no rank ever holds more than its state plus one whole tensor.
+// Collective: every rank of the strategy calls it. Returns the tensor count on rank 0, 0
+// elsewhere.
+int64_t export_hf_safetensors(const std::string& path, dtrain::Strategy& strategy);
 
 }  // namespace gpt2

@@ -175,6 +175,15 @@ struct FsdpOptions {
   // Checkpoints are the same either way (optimizer state saved per parameter name). See
   // docs/strategies.md, "Parameter groups".
   bool use_orig_params = false;
+  // CPU offload (ZeRO-Offload's placement) for a module on an accelerator: the fp32 shards,
+  // their gradients and therefore the optimizer's state live in host memory (pinned on
+  // CUDA); parameters() returns those host tensors, so the optimizer steps on the CPU (use
+  // dtrain::FusedAdamW, dtrain/fused_adamw.h). Each gather copies the shard to the device
+  // first; each reduced gradient shard is copied back to host memory. Device memory then
+  // holds only the gathered units, their unsharded gradients and the activations. Results
+  // are bitwise those without offload. With the module on the CPU it changes nothing (the
+  // shards are in host memory already). See docs/strategies.md, "CPU offload".
+  bool cpu_offload = false;
   // Deferred initialisation (dtrain/deferred_init.h). Set: the module's parameters may be
   // deferred (defer_parameters: no memory), and each rank computes only its shard of each
   // unit, from each parameter's initial_value (seed and qualified name): the values

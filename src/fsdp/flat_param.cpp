@@ -24,6 +24,13 @@ at::Tensor alias(const at::Tensor& flat, int64_t offset, int64_t n) {
   return t;
 }
 
+// Host memory for an offloaded shard: pinned when the parameters live on a CUDA device, so
+// that the copies to and from it can run as DMA transfers.
+at::Tensor host_copy(const at::Tensor& t, c10::Device device) {
+  at::Tensor host = t.device().is_cpu() ? t.clone() : t.to(at::kCPU);
+  return device.is_cuda() ? host.pin_memory() : host;
+}
+
 }  // namespace
 
 FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -45,12 +52,14 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
   padded_ = padded_size(std::max<int64_t>(numel_, 1), options_.shard_size);
   if (options_.pool != nullptr && options_.shard_size > 1) options_.pool->add_user(full_bytes());
   const auto device = params_.empty() ? c10::Device(c10::kCPU) : params_.front().device();
-  shares_memory_ = options_.shard_size == 1 && options_.param_dtype == at::kFloat;
+  offloaded_ = options_.offload && !device.is_cpu();
+  shares_memory_ = !offloaded_ && options_.shard_size == 1 && options_.param_dtype == at::kFloat;
   if (options_.init != nullptr && !shares_memory_) {
-    // Only this rank's shard is ever computed. full is not touched before its first gather,
-    // so no memory is faulted in for it.
-    shard_ = initial_shard(device);
-    full_ = at::empty({padded_}, shard_.options().dtype(options_.param_dtype));
+    // Only this rank's shard is ever computed (in host memory when offloaded). full is not
+    // touched before its first gather, so no memory is faulted in for it.
+    shard_ = offloaded_ ? host_copy(initial_shard(c10::Device(c10::kCPU)), device)
+                        : initial_shard(device);
+    full_ = at::empty({padded_}, at::TensorOptions().dtype(options_.param_dtype).device(device));
   } else {
     at::Tensor flat32;
     if (options_.init != nullptr) {
@@ -68,7 +77,8 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
       shard_ = at::empty({0}, flat32.options());
       shard_.set_(flat32.storage(), 0, {padded_}, {1});
     } else {
-      shard_ = flat32.narrow(0, shard_begin(), shard_numel()).clone();
+      at::Tensor mine = flat32.narrow(0, shard_begin(), shard_numel());
+      shard_ = offloaded_ ? host_copy(mine, device) : mine.clone();
       full_ = flat32.to(options_.param_dtype).clone();  // a storage of its own
     }
   }
@@ -142,12 +152,13 @@ size_t FlatParam::full_bytes() const {
 
 void FlatParam::add_to_shard_grad(const at::Tensor& reduced) {
   c10::NoGradGuard no_grad;
+  const at::Tensor here = offloaded_ ? reduced.to(shard_.device()) : reduced;
   at::Tensor& grad = shard_.mutable_grad();
   if (!options_.param_views) {
     if (grad.defined()) {
-      grad.add_(reduced);
+      grad.add_(here);
     } else {
-      grad = reduced.clone();
+      grad = here.clone();
     }
     return;
   }
@@ -156,14 +167,14 @@ void FlatParam::add_to_shard_grad(const at::Tensor& reduced) {
   bool all_shared = grad.defined();
   for (size_t i = 0; all_shared && i < views_.size(); ++i) all_shared = view_shares_grad(i);
   if (all_shared) {
-    grad.add_(reduced);
+    grad.add_(here);
     return;
   }
   // Some view's .grad was reset or replaced: the views hold the gradient so far (a view
   // still sharing the old gradient keeps its memory alive). Padding and elements of no
   // parameter stay what the reduction made them (zeros).
   grad = at::Tensor();
-  at::Tensor fresh = reduced.clone();
+  at::Tensor fresh = here.clone();
   for (size_t i = 0; i < views_.size(); ++i) {
     const at::Tensor& g = views_[i].grad();
     if (g.defined() && g.numel() != views_[i].numel()) {
@@ -208,7 +219,7 @@ void FlatParam::zero_shard_grad() {
 
 at::Tensor FlatParam::gather_input() const {
   c10::NoGradGuard no_grad;
-  return shard_.detach().to(options_.param_dtype);
+  return shard_.detach().to(full_.device(), options_.param_dtype);
 }
 
 void FlatParam::copy_shard_to_full() {

@@ -42,6 +42,12 @@ struct FlatParamOptions {
   // Where full's memory comes from and goes between uses (buffer_pool.h); null: the
   // storage's allocator. Must outlive the FlatParam.
   BufferPool* pool = nullptr;
+  // CPU offload (FsdpOptions::cpu_offload): the fp32 shard (and so its gradient and the
+  // optimizer's state) in host memory, pinned when the parameters are on a CUDA device,
+  // while full stays on the parameters' device; gather_input() copies the shard there and
+  // add_to_shard_grad() copies the reduced gradient back. No effect for parameters on the
+  // CPU (the shard is in host memory already).
+  bool offload = false;
   // Deferred initialisation (dtrain/deferred_init.h): the shard's values are computed from
   // each parameter's initial_value (only the parameters it overlaps, one at a time), the
   // parameters' own memory (deferred or not) is neither read nor kept, and full starts
@@ -84,8 +90,10 @@ class FlatParam {
   const at::Tensor& shard() const { return shard_; }
   // The flat buffer in the compute dtype, `padded` elements; no memory while released.
   const at::Tensor& full() const { return full_; }
-  // Whether shard() and full() are one memory (one shard, fp32 compute).
+  // Whether shard() and full() are one memory (one shard, fp32 compute, no offload).
   bool shares_memory() const { return shares_memory_; }
+  // Whether the shard is in host memory while full is on a device (FlatParamOptions::offload).
+  bool offloaded() const { return offloaded_; }
 
   bool released() const;
   // Bytes of full's memory when it holds data.
@@ -108,12 +116,13 @@ class FlatParam {
   const at::Tensor& shard_view(size_t i) const;
   bool param_views() const { return options_.param_views; }
 
-  // Adds `reduced` (the averaged shard gradient, shard_numel elements, fp32) to the
-  // gradient the optimizer sees. Without param_views: shard()'s .grad (created when
-  // undefined). With them, the views' .grad are that gradient, whatever the caller did to
-  // them since the last step (left them, zeroed them in place, reset them to undefined as
-  // LibTorch 2.x's zero_grad() does): their sum with `reduced` becomes shard()'s .grad and
-  // every view's .grad shares its memory again.
+  // Adds `reduced` (the averaged shard gradient, shard_numel elements, fp32, on full's
+  // device; copied to host memory first when offloaded) to the gradient the optimizer sees.
+  // Without param_views: shard()'s .grad (created when undefined). With them, the views'
+  // .grad are that gradient, whatever the caller did to them since the last step (left
+  // them, zeroed them in place, reset them to undefined as LibTorch 2.x's zero_grad() does):
+  // their sum with `reduced` becomes shard()'s .grad and every view's .grad shares its
+  // memory again.
   void add_to_shard_grad(const at::Tensor& reduced);
   // param_views: drops shard()'s .grad once no view's .grad shares its memory (the optimizer
   // reset them to undefined or replaced them), so a reset gradient frees its memory for the
@@ -122,7 +131,8 @@ class FlatParam {
   // A failed step: the gradient the optimizer sees becomes zero (shard()'s and the views').
   void zero_shard_grad();
 
-  // What this rank contributes to the all-gather of full: the shard in the compute dtype.
+  // What this rank contributes to the all-gather of full: the shard in the compute dtype,
+  // on full's device.
   at::Tensor gather_input() const;
   // Without a shard group: full = the shard in the compute dtype (no copy when shared).
   void copy_shard_to_full();
@@ -154,6 +164,7 @@ class FlatParam {
   at::Tensor shard_;
   std::vector<at::Tensor> views_;  // param_views only: one per parameter
   bool shares_memory_ = false;
+  bool offloaded_ = false;
 };
 
 }  // namespace dtrain::fsdp

@@ -192,7 +192,7 @@ void FullyShardedDataParallel::Impl::build_units() {
     fsdp::FlatParam flat(
         std::move(plan.params), std::move(plan.param_names),
         fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_, options_.use_orig_params,
-                               &buffer_pool_,
+                               &buffer_pool_, options_.cpu_offload,
                                options_.deferred_init ? &*options_.deferred_init : nullptr});
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }

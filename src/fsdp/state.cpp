@@ -51,9 +51,11 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::
   for (size_t k = 0; k < schedule_->num_units(); ++k) {
     const fsdp::FlatParam& f = schedule_->unit(k).flat();
     // Gather the fp32 master shards (not the compute-dtype copy) so nothing is rounded.
-    at::Tensor flat = at::empty({f.padded()}, f.shard().options().requires_grad(false));
+    // On full's device (the communicator's), also when the shard is offloaded to the host.
+    at::Tensor flat = at::empty(
+        {f.padded()}, at::TensorOptions().dtype(at::kFloat).device(f.full().device()));
     if (shard_comm) {
-      shard_comm->all_gather(flat, f.shard().detach())->wait();
+      shard_comm->all_gather(flat, f.shard().detach().to(flat.device()))->wait();
     } else {
       flat.copy_(f.shard().detach());
     }

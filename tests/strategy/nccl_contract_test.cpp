@@ -391,6 +391,77 @@ INSTANTIATE_TEST_SUITE_P(Ranks, ContractFsdp,
                                   std::to_string(std::get<0>(info.param));
                          });
 
+// ---- CPU offload ----
+
+// FsdpOptions::cpu_offload with the module on the device: the shards the optimizer steps and
+// their gradients are host tensors, the module's (gathered) parameters stay on the device,
+// every collective still sees only device tensors (the contract refuses others), and AdamW
+// with gradient clipping ends bitwise where the same run without offload ends.
+void cpu_offload_matches_no_offload(int world, ShardingStrategy sharding,
+                                    c10::optional<c10::ScalarType> param_dtype,
+                                    bool use_orig_params) {
+  at::set_num_threads(1);
+  Case c;
+  c.model = Model::kTransformer;
+  c.opt = Opt::kAdamW;
+  c.clip = 0.05;
+  const auto data = make_data(c.model, world);
+  run_contract(
+      world, 0,
+      [&](ContractRank& rk) {
+        const int r = rk.comm->rank();
+        std::vector<std::pair<std::string, at::Tensor>> result[2];
+        for (const bool offload : {false, true}) {
+          auto m = make_model(c.model, 7);
+          m->to(contract_device());
+          FsdpOptions o;
+          o.sharding = sharding;
+          o.wrap_policy = blocks_and_nested_up();
+          o.mixed_precision.param_dtype = param_dtype;
+          o.use_orig_params = use_orig_params;
+          o.cpu_offload = offload;
+          FullyShardedDataParallel fsdp(m, rk.comm, o);
+          const c10::Device shard_device = offload ? c10::Device(c10::kCPU) : contract_device();
+          train_on(c, fsdp, *m, data, r * kLocalBatch, kLocalBatch, &fsdp, contract_device());
+          for (const auto& p : fsdp.parameters()) {
+            DTRAIN_CHECK(p.device() == shard_device, "rank {}: a shard on {} (offload {})", r,
+                         p.device().str(), offload);
+            DTRAIN_CHECK(!p.grad().defined() || p.grad().device() == shard_device,
+                         "rank {}: a shard's gradient on {} (offload {})", r,
+                         p.grad().device().str(), offload);
+          }
+          for (const auto& p : m->parameters()) {
+            DTRAIN_CHECK(p.device() == contract_device(), "rank {}: a module parameter on {}", r,
+                         p.device().str());
+          }
+          result[offload ? 1 : 0] = fsdp.full_state_dict();
+        }
+        if (r != 0) return;
+        DTRAIN_CHECK(result[0].size() == result[1].size() && !result[0].empty(), "state sizes");
+        for (size_t i = 0; i < result[0].size(); ++i) {
+          const at::Tensor want = result[0][i].second.to(at::kCPU);
+          const at::Tensor got = result[1][i].second.to(at::kCPU);
+          DTRAIN_CHECK(at::equal(want, got), "{} differs with cpu_offload: max |diff| {}",
+                       result[0][i].first, (got - want).abs().max().item<double>());
+        }
+      },
+      contract_device(), /*processes=*/true);
+}
+
+TEST(ContractCpuOffload, FullShardWorld2MatchesNoOffloadBitwise) {
+  cpu_offload_matches_no_offload(2, ShardingStrategy::kFullShard, c10::nullopt, false);
+}
+TEST(ContractCpuOffload, ShardGradOpWorld4ParamViewsMatchesNoOffloadBitwise) {
+  cpu_offload_matches_no_offload(4, ShardingStrategy::kShardGradOp, c10::nullopt, true);
+}
+TEST(ContractCpuOffload, NoShardWorld2Bf16MatchesNoOffloadBitwise) {
+  cpu_offload_matches_no_offload(2, ShardingStrategy::kNoShard, at::kBFloat16, true);
+}
+TEST(ContractCpuOffload, OneRankMatchesNoOffloadBitwise) {
+  // One rank: without offload the shard is the module's memory; with it, a host copy.
+  cpu_offload_matches_no_offload(1, ShardingStrategy::kFullShard, c10::nullopt, true);
+}
+
 // ---- FSDP's copy of the shard into the unit's buffer (no host memcpy on device memory) ----
 
 // With one rank (no shard group) FSDP copies each unit's fp32 shard into its compute-dtype
