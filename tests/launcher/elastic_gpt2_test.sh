@@ -2,8 +2,10 @@
 # gpt2_train under dtrain-run --nnodes 1:2 (#32): two agents of one rank each train GPT-2 tiny
 # (DDP, --global_batch 2, a checkpoint every 5 steps); agent b is SIGKILLed mid-run; agent a's
 # rank fails on the lost peer, a forms generation 1 alone (world 1, --grad_accum 2), resumes
-# from the newest checkpoint and finishes. The metrics file records both generations. Then a
-# resume at another global batch is refused.
+# from the newest checkpoint and finishes. The metrics file records both generations. No step
+# is trained twice: its final weights equal (byte for byte, fp32) those of a reference run at
+# world 1 resumed from a copy of the checkpoint generation 1 resumed from, with the same flags.
+# Then a resume at another global batch is refused.
 # Usage: elastic_gpt2_test.sh path/to/dtrain-run path/to/gpt2_train
 set -u
 run="$1"
@@ -24,14 +26,19 @@ fail() {
 }
 steps=400
 port=$((20000 + ($$ * 11) % 12000))
-agent() {
-  "$run" --nnodes 1:2 --nproc_per_node 1 --master_port "$port" --host_id "$1" \
-    --rdzv_last_call_s 2 --heartbeat_timeout_s 4 --grace_s 10 --max_restarts 2 -- \
-    "$train" --data=random --tokenizer=byte --max_tokens=20000 --layers=2 --heads=2 --dim=64 \
+# The trainer's flags, for the elastic agents and the reference run alike.
+train_args() {
+  echo --data=random --tokenizer=byte --max_tokens=20000 --layers=2 --heads=2 --dim=64 \
     --ctx=32 --steps=$steps --warmup_steps=2 --lr=3e-3 --seed=7 --val_batches=1 \
     --sample_tokens=0 --timeout_s=30 --threads=1 --strategy=ddp --batch=1 --global_batch=2 \
-    --ckpt_dir="$tmp/ckpt" --ckpt_every=5 --resume --metrics_out="$tmp/m.jsonl" \
-    >"$tmp/$1.out" 2>"$tmp/$1.err" &
+    --ckpt_every=5 --ckpt_keep=1000 --resume
+}
+agent() {
+  # shellcheck disable=SC2046  # train_args: words without spaces
+  "$run" --nnodes 1:2 --nproc_per_node 1 --master_port "$port" --host_id "$1" \
+    --rdzv_last_call_s 2 --heartbeat_timeout_s 4 --grace_s 10 --max_restarts 2 -- \
+    "$train" $(train_args) --ckpt_dir="$tmp/ckpt" --metrics_out="$tmp/m.jsonl" \
+    --export="$tmp/elastic.safetensors" >"$tmp/$1.out" 2>"$tmp/$1.err" &
 }
 agent a
 pa=$!
@@ -69,6 +76,27 @@ grep -q "resume: step" "$tmp/a.out" "$tmp/a.err" || fail "generation 1 did not r
 first=$(grep '"kind": "step"' "$tmp/m.jsonl" | grep '"generation": 1' | head -n1 |
   sed 's/.*"step": \([0-9]*\),.*/\1/')
 [ $(((first - 1) % 5)) -eq 0 ] || fail "generation 1's first step is $first, not one after a checkpoint"
+# The reference: the checkpoint generation 1 resumed from, copied, resumed at world 1 by a
+# plain (not elastic) launch with the same flags. Equal final weights mean generation 1
+# trained exactly the steps after that checkpoint, each once, on the same samples.
+from=$(sed -n 's/.*resume: step [0-9]* from \([^ ]*\) (.*/\1/p' "$tmp/a.out" "$tmp/a.err" | tail -n1)
+if [ -z "$from" ] || [ ! -d "$from" ]; then
+  fail "no checkpoint directory in generation 1's resume line"
+fi
+[ "$(basename "$from")" = "$(printf 'step_%09d' $((first - 1)))" ] ||
+  fail "generation 1 resumed from $from, not the checkpoint of step $((first - 1))"
+mkdir -p "$tmp/ref_ckpt" || fail "cannot create $tmp/ref_ckpt"
+cp -r "$from" "$tmp/ref_ckpt/" || fail "cannot copy $from"
+[ -s "$tmp/elastic.safetensors" ] || fail "the elastic run wrote no --export file"
+# shellcheck disable=SC2046  # train_args: words without spaces
+"$run" --nproc_per_node 1 --master_port $((port + 1)) -- "$train" $(train_args) \
+  --ckpt_dir="$tmp/ref_ckpt" --export="$tmp/ref.safetensors" >"$tmp/ref.out" 2>"$tmp/ref.err"
+got=$?
+[ "$got" -eq 0 ] || fail "the reference run exited $got, want 0"
+grep -q "resume: step $((first - 1)) from" "$tmp/ref.out" "$tmp/ref.err" ||
+  fail "the reference run did not resume from step $((first - 1))"
+cmp -s "$tmp/elastic.safetensors" "$tmp/ref.safetensors" ||
+  fail "final weights of the elastic run differ from the reference resumed from step $((first - 1))"
 # The checkpoints hold global batch 2: resuming at another global batch is refused.
 "$train" --data=random --tokenizer=byte --max_tokens=20000 --layers=2 --heads=2 --dim=64 \
   --ctx=32 --steps=$((steps + 5)) --sample_tokens=0 --threads=1 --strategy=single --batch=1 \

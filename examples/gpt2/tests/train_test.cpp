@@ -676,6 +676,47 @@ TEST(TrainerCheckpoint, Fsdp4ResumesAsDdp2) {
                       {"--strategy=single", "--batch=4"}, kFp32Tolerance, 12);
 }
 
+// --global_batch 4 (#32): 2-rank DDP with --batch 1 (2 micro-batches per step), interrupted,
+// resumed as one rank with --batch 1 (4 micro-batches): the global batch, hence the data
+// order, stays 4 sequences and the run follows single-device training at --batch 4.
+TEST(TrainerCheckpoint, GlobalBatchResumesAtAnotherWorldSize) {
+  expect_exact_resume("ck_global_batch",
+                      {"--strategy=ddp", "--nproc=2", "--batch=1", "--global_batch=4"},
+                      {"--strategy=single", "--batch=1", "--global_batch=4"},
+                      {"--strategy=single", "--batch=4"}, kFp32Tolerance, 12);
+}
+
+// A checkpoint written at a global batch of 2 is not resumed at 4: the data position would
+// not continue from the checkpoint's sample. The message names both and the way out.
+TEST(TrainerCheckpoint, ResumeAtAnotherGlobalBatchIsRefused) {
+  const std::string dir = temp_path("ck_other_global");
+  std::filesystem::remove_all(dir);
+  RunResult first = run_trainer("other_global_first",
+                                with(common_args(), {"--strategy=single", "--batch=2",
+                                                     "--steps=2", "--ckpt_dir=" + dir}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  RunResult refused = run_trainer(
+      "other_global_refused", with(common_args(), {"--strategy=single", "--batch=4", "--steps=4",
+                                                   "--ckpt_dir=" + dir, "--resume"}));
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_TRUE(refused.steps.empty()) << refused.output;
+  EXPECT_NE(refused.output.find("was written at a global batch of 2 sequences, this run's is 4 "
+                                "(--batch 4 x 1 ranks x --grad_accum 1)"),
+            std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("Keep the global batch: --global_batch 2"), std::string::npos)
+      << refused.output;
+  // The way out named by the message resumes.
+  RunResult kept = run_trainer(
+      "other_global_kept", with(common_args(), {"--strategy=single", "--batch=1", "--steps=4",
+                                                "--global_batch=2", "--ckpt_dir=" + dir,
+                                                "--resume"}));
+  EXPECT_EQ(kept.exit_code, 0) << kept.output;
+  EXPECT_NE(kept.output.find("resume: step 2"), std::string::npos) << kept.output;
+  EXPECT_EQ(kept.steps.size(), 2u) << kept.output;
+  std::filesystem::remove_all(dir);
+}
+
 // A dynamic loss scale growing every 2 clean steps (bf16: no step overflows), interrupted
 // and resumed: the resumed run continues from the saved scale and growth counter, so each
 // step's scale and loss equal the uninterrupted run's.
@@ -803,6 +844,28 @@ TEST(TrainerErrors, BadLossScaleIsRefused) {
               std::string::npos)
         << r.output;
   }
+}
+
+// --global_batch must split evenly into --batch x ranks micro-batches, and sets
+// --grad_accum itself.
+TEST(TrainerErrors, GlobalBatchIsChecked) {
+  RunResult odd = run_trainer("global_odd", with(common_args(), {"--strategy=single",
+                                                                  "--batch=2", "--global_batch=5"}));
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_TRUE(odd.steps.empty()) << odd.output;
+  EXPECT_NE(odd.output.find("--global_batch 5 is not a multiple of --batch 2 x 1 ranks"),
+            std::string::npos)
+      << odd.output;
+  RunResult both = run_trainer(
+      "global_both", with(common_args(), {"--batch=2", "--global_batch=4", "--grad_accum=2"}));
+  EXPECT_EQ(both.exit_code, 1);
+  EXPECT_NE(both.output.find("--global_batch sets --grad_accum; give one of the two"),
+            std::string::npos)
+      << both.output;
+  RunResult negative = run_trainer("global_negative", with(common_args(), {"--global_batch=-4"}));
+  EXPECT_EQ(negative.exit_code, 1);
+  EXPECT_NE(negative.output.find("--global_batch must not be negative"), std::string::npos)
+      << negative.output;
 }
 
 // What cannot apply to BERT is refused before any rank starts, with the reason.
