@@ -271,11 +271,27 @@ TEST(ThreadFailures, AnythingThrownBecomesADtrainErrorNamingTheCall) {
     EXPECT_NE(message(e).find("not a std::exception"), std::string::npos) << message(e);
   }
   {
+    // A foreign exception is never classified by its text: the engine's bounded wait
+    // (gloo/bounded_wait.h) turns a wait that ran out into TimeoutError before this point.
     detail::StickyFailure f;
     auto e = f.run(ctx, [] {
       throw gloo::IoException("Timed out waiting 500ms for recv operation to complete");
     });
+    EXPECT_THROW(std::rethrow_exception(e), CommError);
+    bool timeout = false;
+    try {
+      std::rethrow_exception(e);
+    } catch (const TimeoutError&) {
+      timeout = true;
+    } catch (const CommError&) {
+    }
+    EXPECT_FALSE(timeout) << "classified by its text: " << message(e);
+  }
+  {
+    detail::StickyFailure f;
+    auto e = f.run(ctx, [] { throw TimeoutError("recv ran out after 500ms"); });
     EXPECT_THROW(std::rethrow_exception(e), TimeoutError);
+    EXPECT_NE(message(e).find("[rank 1/4 all_reduce #17]"), std::string::npos) << message(e);
   }
   {
     detail::StickyFailure f;
