@@ -220,13 +220,13 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, d
   }
   std::string detail;
   const at::Tensor& last = tokens[total - 1];
-  const bool grads_ok =
-      gradients_match_reference(comm, ddp, model, last.narrow(1, 0, T), last.narrow(1, 1, T),
-                                cfg.loss == "fused", &detail);
+  const bool grads_ok = gradients_match_reference(
+      comm, ddp, model, last.narrow(1, 0, T), last.narrow(1, 1, T), cfg.loss == "fused", &detail);
   if (!all_ranks_ok(comm, grads_ok, &failed)) {
     fail(state, comm, name,
          "verification failed: reduced gradients differ from the per-parameter average on "
-         "rank(s) " + failed + (detail.empty() ? "" : " (" + detail + ")"));
+         "rank(s) " +
+             failed + (detail.empty() ? "" : " (" + detail + ")"));
     return;
   }
   const double k = static_cast<double>(state.iterations());

@@ -217,10 +217,10 @@ int bench_main(int argc, char** argv,
     if (info.rank == 0) {
       const std::string iface = info.communicator_options(options).interface;
       const std::string net = iface.empty() ? "TCP to " + info.master_addr : iface;
-      const std::string how = std::string(comm->transport_name()) == "gloo"
-                                  ? "Gloo over " + net
-                                  : std::string(comm->transport_name()) + " (send/recv: Gloo over " +
-                                        net + ")";
+      const std::string how =
+          std::string(comm->transport_name()) == "gloo"
+              ? "Gloo over " + net
+              : std::string(comm->transport_name()) + " (send/recv: Gloo over " + net + ")";
       std::fprintf(stderr, "%s: %d ranks (processes), %s, %d intra-op thread(s)\n", program.c_str(),
                    info.world_size, how.c_str(), at::get_num_threads());
     }

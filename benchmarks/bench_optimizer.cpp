@@ -32,9 +32,18 @@ std::vector<at::Tensor> gpt2_parameters(int64_t layers, int64_t dim) {
   const int64_t vocab = 50257, context = 128;
   std::vector<std::vector<int64_t>> shapes = {{vocab, dim}, {context, dim}};
   for (int64_t l = 0; l < layers; ++l) {
-    for (std::vector<int64_t> s : std::vector<std::vector<int64_t>>{
-             {dim}, {dim}, {3 * dim, dim}, {3 * dim}, {dim, dim}, {dim},
-             {dim}, {dim}, {4 * dim, dim}, {4 * dim}, {dim, 4 * dim}, {dim}}) {
+    for (std::vector<int64_t> s : std::vector<std::vector<int64_t>>{{dim},
+                                                                    {dim},
+                                                                    {3 * dim, dim},
+                                                                    {3 * dim},
+                                                                    {dim, dim},
+                                                                    {dim},
+                                                                    {dim},
+                                                                    {dim},
+                                                                    {4 * dim, dim},
+                                                                    {4 * dim},
+                                                                    {dim, 4 * dim},
+                                                                    {dim}}) {
       shapes.push_back(s);
     }
   }

@@ -33,8 +33,7 @@
 
 ABSL_FLAG(int64_t, unit_bytes, 16 << 20,
           "bytes of one FSDP unit (the gathered parameters; also the gradient buffer)");
-ABSL_FLAG(std::string, matmul, "512,1024,2048",
-          "comma-separated matmul sizes N (N x N x N, fp32)");
+ABSL_FLAG(std::string, matmul, "512,1024,2048", "comma-separated matmul sizes N (N x N x N, fp32)");
 ABSL_FLAG(std::string, sleep_ms, "",
           "comma-separated sleep durations (ms) to run as a CPU-free compute stand-in");
 ABSL_FLAG(int64_t, iters, 10, "timed iterations per compute size (same on every rank)");

@@ -15,6 +15,8 @@ PKGS=(
   gnuplot-nox
   # scripts/fuzz.sh and scripts/sanitize.sh: clang with libFuzzer and the sanitizer runtimes.
   clang libclang-rt-14-dev
+  # scripts/format.sh (and its check in .ci/run): the repository's .clang-format, clang-format 14.
+  clang-format-14
   # ip(8): the multi-host test joins two network namespaces with a veth pair.
   iproute2
   # etcd: the etcd store's tests start a real server (the etcd executable, on free ports);

@@ -38,8 +38,8 @@ struct BertConfig {
   int64_t context = 128;  // longest sequence (rows of the position embedding)
   int64_t layers = 10;
   int64_t heads = 7;
-  int64_t dim = 448;           // d_model; a multiple of heads
-  int64_t ffn_dim = 4 * 448;   // the feed-forward layer's width (dim_feedforward)
+  int64_t dim = 448;          // d_model; a multiple of heads
+  int64_t ffn_dim = 4 * 448;  // the feed-forward layer's width (dim_feedforward)
   // Dropout inside the stock layers. 0 (the presets): ranks would otherwise draw different
   // dropout masks and DDP/FSDP could not be compared with single-device training step by step.
   double dropout = 0.0;

@@ -28,7 +28,8 @@ void MaskingOptions::validate() const {
 }
 
 int64_t predicted_per_sequence(int64_t seq_len, const MaskingOptions& options) {
-  const auto k = static_cast<int64_t>(std::llround(static_cast<double>(seq_len) * options.mask_fraction));
+  const auto k =
+      static_cast<int64_t>(std::llround(static_cast<double>(seq_len) * options.mask_fraction));
   return std::clamp<int64_t>(k, 1, seq_len);
 }
 

@@ -74,8 +74,8 @@ at::Tensor softmax_in_place_and_loss(at::Tensor& z, const at::Tensor& tc,
 // TF32 off), several times slower than bf16, and these three are the largest of a GPT-2
 // step: under autocast they follow it, as at::linear's do. The weight's gradient is
 // accumulated over the chunks in fp32.
-Pass run_chunks_cast(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t,
-                     int64_t chunk, Grads grads, c10::ScalarType mm) {
+Pass run_chunks_cast(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, int64_t chunk,
+                     Grads grads, c10::ScalarType mm) {
   const int64_t N = h.size(0);
   const int64_t V = w.size(0);
   const double inv_n = 1.0 / static_cast<double>(N);
@@ -198,7 +198,8 @@ struct FusedLmLoss : torch::autograd::Function<FusedLmLoss> {
     // Keep whichever of the weight's gradient [V, D] and the logits' [N, V] is smaller. The
     // weight itself is never needed in backward.
     Grads grads = Grads::kHidden;
-    if (w.requires_grad()) grads = h.size(0) <= h.size(1) ? Grads::kHiddenNowWeightLater : Grads::kBoth;
+    if (w.requires_grad())
+      grads = h.size(0) <= h.size(1) ? Grads::kHiddenNowWeightLater : Grads::kBoth;
     Pass p = run_chunks(h, w, t, chunk, grads, mm);
     ctx->saved_data["grad_hidden"] = p.grad_hidden;
     if (p.grad_weight.defined()) ctx->saved_data["grad_weight"] = p.grad_weight;
@@ -275,8 +276,8 @@ at::Tensor fused_lm_loss(const at::Tensor& hidden, const at::Tensor& weight,
       hidden.is_cpu() ? std::nullopt : dtrain::autocast_dtype(hidden.device().type());
   const c10::ScalarType mm = matmul_dtype.value_or(autocast.value_or(hidden.scalar_type()));
   if (!at::isFloatingType(mm)) {
-    throw dtrain::InvalidArgument(fmt::format("fused_lm_loss: matmul_dtype must be floating, got {}",
-                                              c10::toString(mm)));
+    throw dtrain::InvalidArgument(
+        fmt::format("fused_lm_loss: matmul_dtype must be floating, got {}", c10::toString(mm)));
   }
   at::Tensor h = hidden.reshape({N, D}).contiguous();
   at::Tensor t = targets.reshape({N}).contiguous();

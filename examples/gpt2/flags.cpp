@@ -380,16 +380,14 @@ Config config_from_flags() {
                                       {"powersgd", CommHookKind::kPowerSgd}},
                                      "--comm_hook must be allreduce, fp16, bf16, ps or powersgd");
   using dtrain::Quantization;
-  c.quantize_grads = choose<Quantization>(absl::GetFlag(FLAGS_quantize_grads),
-                                          {{"none", Quantization::kNone},
-                                           {"bf16", Quantization::kBf16},
-                                           {"int8", Quantization::kInt8}},
-                                          "--quantize_grads must be int8, bf16 or none");
-  c.quantize_params = choose<Quantization>(absl::GetFlag(FLAGS_quantize_params),
-                                           {{"none", Quantization::kNone},
-                                            {"bf16", Quantization::kBf16},
-                                            {"int8", Quantization::kInt8}},
-                                           "--quantize_params must be int8, bf16 or none");
+  c.quantize_grads = choose<Quantization>(
+      absl::GetFlag(FLAGS_quantize_grads),
+      {{"none", Quantization::kNone}, {"bf16", Quantization::kBf16}, {"int8", Quantization::kInt8}},
+      "--quantize_grads must be int8, bf16 or none");
+  c.quantize_params = choose<Quantization>(
+      absl::GetFlag(FLAGS_quantize_params),
+      {{"none", Quantization::kNone}, {"bf16", Quantization::kBf16}, {"int8", Quantization::kInt8}},
+      "--quantize_params must be int8, bf16 or none");
   check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy != StrategyKind::kSingle,
         "--quantize_grads applies to --strategy ddp or fsdp");
   check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy != StrategyKind::kDdp ||
@@ -411,14 +409,13 @@ Config config_from_flags() {
                                         "--sharding must be full, grad_op, no_shard or hybrid");
   const std::string reshard = absl::GetFlag(FLAGS_reshard_after_forward);
   if (!reshard.empty()) {
-    c.reshard_after_forward = choose<dtrain::ReshardAfterForward>(
-        reshard,
-        {{"all", dtrain::ReshardAfterForward::kAll},
-         {"host", dtrain::ReshardAfterForward::kHost},
-         {"none", dtrain::ReshardAfterForward::kNone}},
-        "--reshard_after_forward must be all, host or none");
-    check(c.strategy == StrategyKind::kFsdp,
-          "--reshard_after_forward applies to --strategy fsdp");
+    c.reshard_after_forward =
+        choose<dtrain::ReshardAfterForward>(reshard,
+                                            {{"all", dtrain::ReshardAfterForward::kAll},
+                                             {"host", dtrain::ReshardAfterForward::kHost},
+                                             {"none", dtrain::ReshardAfterForward::kNone}},
+                                            "--reshard_after_forward must be all, host or none");
+    check(c.strategy == StrategyKind::kFsdp, "--reshard_after_forward applies to --strategy fsdp");
   }
   c.prefetch = choose<BackwardPrefetch>(absl::GetFlag(FLAGS_prefetch),
                                         {{"pre", BackwardPrefetch::kBackwardPre},
@@ -432,8 +429,7 @@ Config config_from_flags() {
   check(c.precision != Precision::kFp16 || c.device == DeviceKind::kCuda,
         "--precision fp16 needs --device cuda (CPU kernels lack fp16; use bf16 on CPU)");
   if (c.strategy == StrategyKind::kFsdp || c.strategy_auto) {
-    check(c.comm_hook != CommHookKind::kParameterServer &&
-              c.comm_hook != CommHookKind::kPowerSgd,
+    check(c.comm_hook != CommHookKind::kParameterServer && c.comm_hook != CommHookKind::kPowerSgd,
           "--comm_hook ps and powersgd are DataParallel hooks; fsdp (which --strategy auto may "
           "choose) reduces with reduce-scatter (allreduce, fp16 or bf16 reduce dtype)");
   }

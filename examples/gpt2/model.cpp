@@ -221,8 +221,8 @@ at::Tensor GptImpl::hidden(const at::Tensor& idx) {
     // gathers them again before a checkpointed block is recomputed).
     x = dtrain::unit_call(*block, [&] {
       if (!config_.activation_checkpointing) return block->forward(x);
-      return dtrain::checkpoint([b = block](const at::Tensor& in) mutable { return b->forward(in); },
-                                x);
+      return dtrain::checkpoint(
+          [b = block](const at::Tensor& in) mutable { return b->forward(in); }, x);
     });
   }
   return ln_f->forward(x);

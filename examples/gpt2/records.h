@@ -37,8 +37,8 @@ struct StepRecord {
   bool skipped = false;
 
   double tokens_per_s() const { return static_cast<double>(tokens) / step_time_s; }
-  double peak_rss_mib() const;     // max over ranks
-  double model_state_mib() const;  // max over ranks
+  double peak_rss_mib() const;                  // max over ranks
+  double model_state_mib() const;               // max over ranks
   std::optional<double> cuda_peak_mib() const;  // max over ranks; nullopt off CUDA
 };
 
@@ -56,7 +56,7 @@ struct EpochRecord {
   double epoch_time_s = 0;       // training time, validations excluded
   double validation_time_s = 0;  // of the end-of-epoch validation
   std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;  // at its last step
-  std::vector<double> cuda_peak_mib_per_rank;                            // at its last step
+  std::vector<double> cuda_peak_mib_per_rank;                           // at its last step
 
   double peak_rss_mib() const;
   double model_state_mib() const;

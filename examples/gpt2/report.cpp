@@ -75,8 +75,8 @@ void Reporter::write_step(const StepRecord& r) {
   j.add("model_state_mib", r.model_state_mib());
   j.add("model_state_mib_per_rank", r.model_state_mib_per_rank);
   if (r.cuda_peak_mib()) {
-    j.add("cuda_peak_mib", r.cuda_peak_mib()).add("cuda_peak_mib_per_rank",
-                                                   r.cuda_peak_mib_per_rank);
+    j.add("cuda_peak_mib", r.cuda_peak_mib())
+        .add("cuda_peak_mib_per_rank", r.cuda_peak_mib_per_rank);
   }
   j.add("comm_wait_s", r.comm_wait_s).add("comm_total_s", r.comm_total_s);
   j.add("num_collectives", r.num_collectives).add("lr", r.lr);
@@ -110,8 +110,8 @@ void Reporter::write_epoch(const EpochRecord& e) {
   j.add("model_state_mib", e.model_state_mib());
   j.add("model_state_mib_per_rank", e.model_state_mib_per_rank);
   if (e.cuda_peak_mib()) {
-    j.add("cuda_peak_mib", e.cuda_peak_mib()).add("cuda_peak_mib_per_rank",
-                                                   e.cuda_peak_mib_per_rank);
+    j.add("cuda_peak_mib", e.cuda_peak_mib())
+        .add("cuda_peak_mib_per_rank", e.cuda_peak_mib_per_rank);
   }
   j.add("comm_wait_s", e.comm_wait_s).add("validation_time_s", e.validation_time_s);
   metrics_->write(j);

@@ -52,7 +52,8 @@ int64_t embedding_rows(const Config& c, int64_t token_ids);
 
 // Builds c.model_kind's model on `device` from the current default generator (seed it first
 // for the same weights on every rank); with `deferred` (GPT-2 only) its parameters are
-// deferred instead (GptConfig::deferred), for FSDP's deferred initialisation. `token_ids`: the tokenizer's ids. Embedding rows:
+// deferred instead (GptConfig::deferred), for FSDP's deferred initialisation. `token_ids`: the
+// tokenizer's ids. Embedding rows:
 // --vocab, else the tokenizer's ids (GPT-2) or the ids plus one for [MASK] (BERT, whose
 // [MASK] id is `token_ids`). Throws dtrain::InvalidArgument when --vocab leaves too few rows.
 std::unique_ptr<Task> make_task(const Config& c, int64_t token_ids, c10::Device device,

@@ -25,9 +25,9 @@
 #include "blas_setup.h"
 #include "dtrain/errors.h"
 #include "dtrain/host_memory.h"
+#include "dtrain/launcher.h"
 #include "dtrain/rendezvous.h"
 #include "flags.h"
-#include "dtrain/launcher.h"
 #include "trainer.h"
 
 namespace gpt2 {
@@ -61,7 +61,8 @@ void restart_with(BlasSetup& blas, const std::map<std::string, std::string>& env
   execve("/proc/self/exe", argv, envp.data());
   const std::string failure = fmt::format("restarting failed: {}", std::strerror(errno));
   if (blas.plan.action == dtrain::BlasKernelPlan::Action::kSelect) {
-    blas.plan.note = blas.info.to_string() + fmt::format(" ({} with {})", failure, blas.plan.kernel);
+    blas.plan.note =
+        blas.info.to_string() + fmt::format(" ({} with {})", failure, blas.plan.kernel);
   }
   fmt::print(stderr, "gpt2_train: {}; running as started\n", failure);
 }

@@ -96,8 +96,8 @@ struct Config {
   CommHookKind comm_hook = CommHookKind::kAllreduce;
   dtrain::Quantization quantize_grads = dtrain::Quantization::kNone;   // ddp, fsdp
   dtrain::Quantization quantize_params = dtrain::Quantization::kNone;  // fsdp
-  int powersgd_rank = 1;             // --comm_hook powersgd
-  int64_t powersgd_start_iter = 10;  // --comm_hook powersgd
+  int powersgd_rank = 1;                                               // --comm_hook powersgd
+  int64_t powersgd_start_iter = 10;                                    // --comm_hook powersgd
   double bucket_mb = 0;
   dtrain::ShardingStrategy sharding = dtrain::ShardingStrategy::kFullShard;
   int shard_group_size = 0;

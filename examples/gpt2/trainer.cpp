@@ -127,8 +127,8 @@ void Trainer::run() {
 // checkpoint. `step` is the resumed checkpoint's (0 for --init_from).
 void Trainer::evaluate_only(int64_t step) {
   if (c_.resume && step == 0) {
-    throw dtrain::InvalidArgument(fmt::format(
-        "--eval_only --resume: no complete checkpoint in {} to evaluate", c_.ckpt_dir));
+    throw dtrain::InvalidArgument(
+        fmt::format("--eval_only --resume: no complete checkpoint in {} to evaluate", c_.ckpt_dir));
   }
   if (!val_sampler_) {
     throw dtrain::InvalidArgument(

@@ -100,7 +100,7 @@ class Trainer {
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<dtrain::Store> store_;
   dtrain::CommunicatorPtr comm_;
-  dtrain::CommunicatorOptions comm_options_;  // the world's; the hybrid groups' too
+  dtrain::CommunicatorOptions comm_options_;            // the world's; the hybrid groups' too
   std::vector<dtrain::CommunicatorPtr> hybrid_groups_;  // --sharding hybrid: shard, replicate
   std::unique_ptr<Tokenizer> tokenizer_;
   int64_t token_ids_ = 0;  // the tokenizer's ids (GPT-2's 50257 without a vocabulary)

@@ -34,14 +34,14 @@ int64_t Trainer::resume_step() {
         "{} x {} ranks x --grad_accum {}): the data order would not continue from the "
         "checkpoint's sample. Keep the global batch: --global_batch {} (docs/multinode.md, "
         "\"Elastic runs\")",
-        latest, it->second, global_batch, c_.batch, info_.world_size, c_.grad_accum,
-        it->second));
+        latest, it->second, global_batch, c_.batch, info_.world_size, c_.grad_accum, it->second));
   }
   say(fmt::format("resume: step {} from {} ({:.1f} MiB read in {:.2f} s on rank 0)", state.step,
                   latest, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
   if (c_.comm_hook == CommHookKind::kPowerSgd) {
     // Error buffers and Q differ per rank; the checkpoint format has no per-rank tensors yet.
-    say(fmt::format("resume: PowerSGD's state (error feedback, Q) is not in checkpoints: it "
+    say(
+        fmt::format("resume: PowerSGD's state (error feedback, Q) is not in checkpoints: it "
                     "starts afresh, with {} plain all-reduce steps",
                     c_.powersgd_start_iter));
   }

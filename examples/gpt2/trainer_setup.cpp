@@ -20,11 +20,11 @@
 
 #include "dtrain/comm_hook.h"
 #include "dtrain/deferred_init.h"
-#include "dtrain/powersgd.h"
-#include "dtrain/quantization.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/fused_adamw.h"
 #include "dtrain/host_memory.h"
+#include "dtrain/powersgd.h"
+#include "dtrain/quantization.h"
 #include "dtrain/single_device.h"
 #include "hf_weights.h"
 #include "trainer.h"
@@ -53,8 +53,8 @@ void Trainer::setup_process() {
   if (c_.global_batch > 0) {
     const int64_t per_micro = c_.batch * info_.world_size;
     check(c_.global_batch % per_micro == 0,
-          fmt::format("--global_batch {} is not a multiple of --batch {} x {} ranks", c_.global_batch,
-                      c_.batch, info_.world_size));
+          fmt::format("--global_batch {} is not a multiple of --batch {} x {} ranks",
+                      c_.global_batch, c_.batch, info_.world_size));
     c_.grad_accum = c_.global_batch / per_micro;
   }
   threads_ = c_.threads > 0 ? c_.threads : std::max(1, available_cores() / info_.local_world_size);
@@ -242,8 +242,8 @@ void Trainer::setup_model_and_strategy() {
         details += fmt::format(", gradients {} on the wire", to_string(c_.quantize_grads));
       }
       if (c_.comm_hook == CommHookKind::kPowerSgd) {
-        details += fmt::format(" (rank {}, from step {})", c_.powersgd_rank,
-                               c_.powersgd_start_iter);
+        details +=
+            fmt::format(" (rank {}, from step {})", c_.powersgd_rank, c_.powersgd_start_iter);
       }
       break;
     }
@@ -267,9 +267,9 @@ void Trainer::setup_model_and_strategy() {
         check(store_ != nullptr,
               "--reshard_after_forward host needs several ranks (a launched job)");
         // Hosts as the launcher numbers them: LOCAL_WORLD_SIZE consecutive ranks.
-        o.host_group = dtrain::make_host_group(store_, info_.rank, info_.world_size,
-                                               info_.local_world_size,
-                                               info_.communicator_options(comm_options_));
+        o.host_group =
+            dtrain::make_host_group(store_, info_.rank, info_.world_size, info_.local_world_size,
+                                    info_.communicator_options(comm_options_));
       }
       if (o.sharding == dtrain::ShardingStrategy::kHybridShard) {
         const int group = c_.shard_group_size > 0 ? c_.shard_group_size : info_.local_world_size;
@@ -343,8 +343,10 @@ void Trainer::setup_optimizer() {
     (decays ? decay_numel : exempt_numel) += c10::multiply_integers(p.shape);
   }
   auto options = [&](double weight_decay) {
-    return torch::optim::AdamWOptions(c_.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(
-        weight_decay);
+    return torch::optim::AdamWOptions(c_.lr)
+        .betas({0.9, 0.95})
+        .eps(1e-8)
+        .weight_decay(weight_decay);
   };
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay);
@@ -355,7 +357,8 @@ void Trainer::setup_optimizer() {
   } else {
     optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), defaults);
   }
-  say(fmt::format("optimizer: AdamW{}, weight decay {} on {} matrices ({:.2f}M), 0 on {} "
+  say(
+      fmt::format("optimizer: AdamW{}, weight decay {} on {} matrices ({:.2f}M), 0 on {} "
                   "biases, norm weights and embeddings ({:.2f}M)",
                   c_.fused_adamw ? " (fused)" : "", c_.weight_decay, decay.size(),
                   static_cast<double>(decay_numel) / 1e6, exempt.size(),

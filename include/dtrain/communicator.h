@@ -167,9 +167,9 @@ class Communicator {
 
   // Point to point. A send matches the recv of the peer with the same tag; messages
   // between a pair with the same tag arrive in order. NCCL has no tags: its backend accepts
-  // only tag 0 (InvalidArgument otherwise) and matches a pair's calls in issue order. Ranks may issue different numbers
-  // of these, so they are numbered apart from collectives (their Work's sequence number
-  // counts point-to-point calls only) and never shift collectives' numbering.
+  // only tag 0 (InvalidArgument otherwise) and matches a pair's calls in issue order. Ranks may
+  // issue different numbers of these, so they are numbered apart from collectives (their Work's
+  // sequence number counts point-to-point calls only) and never shift collectives' numbering.
   virtual WorkPtr send(at::Tensor tensor, int dst, uint32_t tag = 0,
                        const CallOptions& options = {}) = 0;
   virtual WorkPtr recv(at::Tensor tensor, int src, uint32_t tag = 0,

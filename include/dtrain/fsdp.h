@@ -29,8 +29,8 @@
 //
 //     at::Tensor GptImpl::forward(const at::Tensor& idx) {
 //       at::Tensor x = wte(idx) + wpe(pos);
-//       for (auto& block : blocks) x = dtrain::unit_call(*block, [&] { return block->forward(x); });
-//       return lm_head(ln_f(x));
+//       for (auto& block : blocks) x = dtrain::unit_call(*block, [&] { return block->forward(x);
+//       }); return lm_head(ln_f(x));
 //     }
 //
 //   This is required for units called through a typed handle (`block->forward(x)`) or held

@@ -99,9 +99,9 @@ void validate(const NodeOptions& options);
 // is never followed by a restart.
 //
 // Returns the status to exit with: 0 when every rank exited 0; else the failed rank's exit
-// code (of the last generation), or 128 + signal number when it was killed by a signal or a signal stopped the job
-// (129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 1 for a waitpid failure. Throws
-// std::invalid_argument for bad options (see validate) and std::runtime_error when the
+// code (of the last generation), or 128 + signal number when it was killed by a signal or a signal
+// stopped the job (129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM); 1 for a waitpid failure.
+// Throws std::invalid_argument for bad options (see validate) and std::runtime_error when the
 // supervisor cannot be found (the message names the places tried) or a rank cannot be
 // started (the ones already started are killed first).
 int run_node(const NodeOptions& options);

@@ -1,8 +1,8 @@
 // Strategy: one training loop for every way of spreading a model over ranks.
 //
 //   auto strategy = std::make_shared<dtrain::DataParallel>(model, comm);  // or SingleDevice,
-//   torch::optim::AdamW opt(strategy->parameters(), options);             // FullyShardedDataParallel
-//   for (auto& batch : loader) {
+//   torch::optim::AdamW opt(strategy->parameters(), options);             //
+//   FullyShardedDataParallel for (auto& batch : loader) {
 //     opt.zero_grad();
 //     at::Tensor loss =
 //         strategy->forward([&] { return loss_fn(model->forward(batch.x), batch.y); });
@@ -47,9 +47,9 @@ namespace dtrain {
 // What the last step cost in communication. Fields that do not apply are 0.
 struct StepStats {
   int64_t bytes_communicated = 0;  // payload bytes this rank sent into collectives
-  double comm_wait_s = 0;  // time the caller waited on communication (FSDP: also its gathers)
-  double comm_total_s = 0;         // summed duration of the step's collectives
-  int64_t num_collectives = 0;     // collectives issued by the step (DDP: buckets)
+  double comm_wait_s = 0;       // time the caller waited on communication (FSDP: also its gathers)
+  double comm_total_s = 0;      // summed duration of the step's collectives
+  int64_t num_collectives = 0;  // collectives issued by the step (DDP: buckets)
 };
 
 // A tensor the optimizer steps, with the module parameter it belongs to: what optimizer

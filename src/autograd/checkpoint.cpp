@@ -5,9 +5,9 @@
 // PyTorch's use_reentrant checkpoint does).
 #include "dtrain/activation_checkpoint.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -142,7 +142,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 }  // namespace
 
-std::vector<at::Tensor> checkpoint(const CheckpointedFn& fn, const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> checkpoint(const CheckpointedFn& fn,
+                                   const std::vector<at::Tensor>& inputs) {
   for (const auto& t : inputs) {
     if (!t.defined()) {
       throw InvalidArgument(ErrorContext{-1, -1, "checkpoint", -1}, "an input is undefined");
@@ -159,8 +160,9 @@ std::vector<at::Tensor> checkpoint(const CheckpointedFn& fn, const std::vector<a
 
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
                       const at::Tensor& input) {
-  return checkpoint([fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
-                    {input})[0];
+  return checkpoint(
+      [fn](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{fn(in[0])}; },
+      {input})[0];
 }
 
 }  // namespace dtrain

@@ -18,8 +18,8 @@ class FrontEnd final : public Communicator {
  public:
   // `failure` is shared with `engine`, which records what fails while a call runs.
   // `options.backend` is what backend() reports: the backend asked for (kGloo for every CPU
-  // transport, shared memory and hierarchical included; transport_name() says which). `wire` is what the engine counts its bytes
-  // in (wire_counter.h); null: not counted.
+  // transport, shared memory and hierarchical included; transport_name() says which). `wire` is
+  // what the engine counts its bytes in (wire_counter.h); null: not counted.
   FrontEnd(int rank, int world_size, const CommunicatorOptions& options,
            std::shared_ptr<StickyFailure> failure, std::unique_ptr<CollectiveEngine> engine,
            std::shared_ptr<WireCounter> wire);

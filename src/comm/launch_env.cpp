@@ -104,8 +104,8 @@ int get_int(const Env& env, const std::string& name, int fallback) {
 
 int require_int(const Env& env, const std::string& name, const std::string& convention) {
   if (lookup(env, name) == nullptr)
-    fail(fmt::format("{} is set but {} is not: incomplete {} launch environment", convention,
-                     name, convention));
+    fail(fmt::format("{} is set but {} is not: incomplete {} launch environment", convention, name,
+                     convention));
   return get_int(env, name, 0);
 }
 
@@ -152,9 +152,10 @@ bool read_open_mpi(const Env& env, LaunchInfo& i) {
   i.local_world_size = require_int(env, n.local_world, c);
   check_consistent(i, n);
   if (!lookup(env, "MASTER_ADDR") && i.local_world_size < i.world_size)
-    fail(fmt::format("mpirun started {} ranks on several hosts ({} on this one) but MASTER_ADDR "
-                     "is not set; pass rank 0's host, e.g. mpirun -x MASTER_ADDR=<host> ...",
-                     i.world_size, i.local_world_size));
+    fail(
+        fmt::format("mpirun started {} ranks on several hosts ({} on this one) but MASTER_ADDR "
+                    "is not set; pass rank 0's host, e.g. mpirun -x MASTER_ADDR=<host> ...",
+                    i.world_size, i.local_world_size));
   i.source = LaunchSource::kOpenMpi;
   return true;
 }
@@ -182,15 +183,16 @@ bool read_slurm(const Env& env, LaunchInfo& i) {
     } else if (node >= 0 && static_cast<size_t>(node) < per_node.size()) {
       i.local_world_size = per_node[static_cast<size_t>(node)];
     } else {
-      fail(fmt::format("{}='{}' lists {} hosts but SLURM_NODEID is {}", name, *v,
-                       per_node.size(), node < 0 ? "not set" : std::to_string(node)));
+      fail(fmt::format("{}='{}' lists {} hosts but SLURM_NODEID is {}", name, *v, per_node.size(),
+                       node < 0 ? "not set" : std::to_string(node)));
     }
     local_name = name;
     break;
   }
   if (local_name.empty())
-    fail("Slurm: none of SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE, "
-         "SLURM_TASKS_PER_NODE is set: cannot tell how many ranks share this host");
+    fail(
+        "Slurm: none of SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE, "
+        "SLURM_TASKS_PER_NODE is set: cannot tell how many ranks share this host");
   check_consistent(i, {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", local_name});
   if (!lookup(env, "MASTER_ADDR")) {
     const std::string* list = lookup(env, "SLURM_STEP_NODELIST");
@@ -218,16 +220,18 @@ void read_rendezvous(const Env& env, LaunchInfo& info) {
     if (*b == "etcd" || *b == "etcd-v2") {
       info.rdzv_backend = RendezvousBackend::kEtcd;
     } else if (*b != "c10d" && *b != "static" && *b != "tcp") {
-      fail(fmt::format("DTRAIN_RDZV_BACKEND='{}': expected c10d (the built-in TCP store; also "
-                       "static or tcp) or etcd",
-                       *b));
+      fail(
+          fmt::format("DTRAIN_RDZV_BACKEND='{}': expected c10d (the built-in TCP store; also "
+                      "static or tcp) or etcd",
+                      *b));
     }
   }
   if (const std::string* e = lookup(env, "DTRAIN_RDZV_ENDPOINT")) info.rdzv_endpoint = *e;
   if (info.rdzv_backend == RendezvousBackend::kEtcd) {
     if (info.rdzv_endpoint.empty())
-      fail("DTRAIN_RDZV_BACKEND=etcd needs DTRAIN_RDZV_ENDPOINT (host:port of the etcd server, "
-           "dtrain-run's --rdzv_endpoint)");
+      fail(
+          "DTRAIN_RDZV_BACKEND=etcd needs DTRAIN_RDZV_ENDPOINT (host:port of the etcd server, "
+          "dtrain-run's --rdzv_endpoint)");
     try {
       detail::parse_etcd_endpoints(info.rdzv_endpoint);
     } catch (const std::invalid_argument& e) {
@@ -238,8 +242,7 @@ void read_rendezvous(const Env& env, LaunchInfo& info) {
   // The generation an elastic launcher numbers; a plain restart count where only that is set.
   info.generation = get_int(env, "TORCHELASTIC_RESTART_COUNT", 0);
   info.generation = get_int(env, "DTRAIN_GENERATION", info.generation);
-  if (info.generation < 0)
-    fail(fmt::format("DTRAIN_GENERATION={} must be >= 0", info.generation));
+  if (info.generation < 0) fail(fmt::format("DTRAIN_GENERATION={} must be >= 0", info.generation));
 }
 
 }  // namespace

@@ -44,27 +44,31 @@ class LaunchCheck {
     if (store_->add(fmt::format("claim/{}", info_.rank), 1) > 1) {
       std::string other = "another process";
       try {
-        other = description(store_->get_string(
-            fmt::format("info/{}", info_.rank), std::min(timeout_, std::chrono::milliseconds(5000))));
+        other =
+            description(store_->get_string(fmt::format("info/{}", info_.rank),
+                                           std::min(timeout_, std::chrono::milliseconds(5000))));
       } catch (const TimeoutError&) {
       }
       std::string etcd;
       if (info_.rdzv_backend == RendezvousBackend::kEtcd) {
-        etcd = fmt::format(" Or does etcd still hold an earlier run with this run id? Pick a "
-                           "new --rdzv_id (TORCHELASTIC_RUN_ID), or remove the old keys with "
-                           "`etcdctl del --prefix /dtrain/{}/`.",
-                           info_.run_id);
+        etcd = fmt::format(
+            " Or does etcd still hold an earlier run with this run id? Pick a "
+            "new --rdzv_id (TORCHELASTIC_RUN_ID), or remove the old keys with "
+            "`etcdctl del --prefix /dtrain/{}/`.",
+            info_.run_id);
       }
-      fail(fmt::format("rank {} is claimed twice: by {} and by {}; were two hosts started with "
-                       "the same --node_rank, or with different --nnodes / --nproc_per_node?{}",
-                       info_.rank, other, me, etcd));
+      fail(
+          fmt::format("rank {} is claimed twice: by {} and by {}; were two hosts started with "
+                      "the same --node_rank, or with different --nnodes / --nproc_per_node?{}",
+                      info_.rank, other, me, etcd));
     }
     store_->set(fmt::format("info/{}", info_.rank), fmt::format("{}\n{}", info_.world_size, me));
     const std::string first = store_->get_string("info/0", timeout_);
     if (std::atoi(first.c_str()) != info_.world_size) {
-      fail(fmt::format("rank 0 ({}) and rank {} ({}) disagree on the world size; were hosts "
-                       "started with different --nnodes / --nproc_per_node?",
-                       description(first), info_.rank, me));
+      fail(
+          fmt::format("rank 0 ({}) and rank {} ({}) disagree on the world size; were hosts "
+                      "started with different --nnodes / --nproc_per_node?",
+                      description(first), info_.rank, me));
     }
     store_->add("joined", 1);
     wait_for_all();
@@ -92,9 +96,9 @@ class LaunchCheck {
       const int64_t joined = get_int(*store_, "joined");
       if (joined >= info_.world_size) return;
       if (Clock::now() >= deadline) {
-        throw TimeoutError(ctx_, fmt::format("only {} of {} ranks joined at {} within {} ms",
-                                             joined, info_.world_size, store_location(info_),
-                                             timeout_.count()));
+        throw TimeoutError(ctx_,
+                           fmt::format("only {} of {} ranks joined at {} within {} ms", joined,
+                                       info_.world_size, store_location(info_), timeout_.count()));
       }
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
       backoff = std::min(backoff * 2, std::chrono::milliseconds(50));
@@ -108,8 +112,7 @@ class LaunchCheck {
     store_->add("error_seen", 1);
     if (info_.rank == 0) {
       const auto until = Clock::now() + std::min(timeout_, std::chrono::milliseconds(3000));
-      while (Clock::now() < until &&
-             get_int(*store_, "error_seen") < get_int(*store_, "claims")) {
+      while (Clock::now() < until && get_int(*store_, "error_seen") < get_int(*store_, "claims")) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     }

@@ -3,7 +3,6 @@
 // calls these helpers instead of version-specific APIs.
 #pragma once
 
-
 #include <memory>
 #include <sstream>
 #include <string>
@@ -61,7 +60,8 @@ inline c10::Allocator& storage_allocator(const at::Tensor& t) {
 // Key of `param`'s entry in torch::optim::Optimizer::state(): 1.13 keys the map by the
 // TensorImpl's address printed as a string, later releases by the address itself.
 template <typename StateMap>
-typename StateMap::key_type optimizer_state_key(const StateMap& /*state*/, const at::Tensor& param) {
+typename StateMap::key_type optimizer_state_key(const StateMap& /*state*/,
+                                                const at::Tensor& param) {
   using Key = typename StateMap::key_type;
   if constexpr (std::is_same_v<Key, std::string>) {
     std::ostringstream out;  // what c10::guts::to_string does in 1.13

@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 
 #include "dtrain/comm_hook.h"
-#include "dtrain/work.h"
 #include "dtrain/errors.h"
+#include "dtrain/work.h"
 
 namespace dtrain {
 namespace {
@@ -54,8 +54,7 @@ class ParameterServerHook final : public CommHook {
     // The bucket index tags the transfers so that buckets in flight never mix. NCCL has no
     // tags and refuses any but 0 (docs/nccl.md): there a pair's messages match in issue
     // order, which is the buckets' order on every rank.
-    const uint32_t tag =
-        comm.backend() == Backend::kNccl ? 0u : static_cast<uint32_t>(b.index);
+    const uint32_t tag = comm.backend() == Backend::kNccl ? 0u : static_cast<uint32_t>(b.index);
     at::Tensor buffer = b.buffer;
     Communicator* c = &comm;
     const int root = root_;
@@ -90,9 +89,9 @@ class ParameterServerHook final : public CommHook {
 
 void CommHook::load_state(const std::map<std::string, at::Tensor>& state) {
   if (!state.empty()) {
-    throw InvalidArgument(ErrorContext{-1, -1, "CommHook::load_state", -1},
-                          fmt::format("hook '{}' keeps no state, got \"{}\"", name(),
-                                      state.begin()->first));
+    throw InvalidArgument(
+        ErrorContext{-1, -1, "CommHook::load_state", -1},
+        fmt::format("hook '{}' keeps no state, got \"{}\"", name(), state.begin()->first));
   }
 }
 

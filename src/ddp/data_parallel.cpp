@@ -222,7 +222,7 @@ void DataParallel::Reducer::ensure_grad_views() {
 }
 
 void DataParallel::Reducer::begin_forward(bool gradient_sync) {
-  sync_ = gradient_sync;  // the bucket rebuild and a failed forward read it
+  sync_ = gradient_sync;         // the bucket rebuild and a failed forward read it
   steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   training_forward_ = c10::GradMode::is_enabled();
   try {
@@ -232,8 +232,8 @@ void DataParallel::Reducer::begin_forward(bool gradient_sync) {
     ensure_grad_views();
     if (options_.broadcast_buffers && !buffers_.empty()) broadcast_from_rank0(*comm_, buffers_);
   } catch (...) {
-    std::rethrow_exception(steps_.break_with("forward", "a collective at the start of the step failed",
-                                             std::current_exception()));
+    std::rethrow_exception(steps_.break_with(
+        "forward", "a collective at the start of the step failed", std::current_exception()));
   }
 }
 
@@ -327,8 +327,8 @@ void DataParallel::Reducer::load_rank_state(const std::map<std::string, at::Tens
     const at::Tensor& t = order_it->second;
     if (t.scalar_type() != at::kLong || t.dim() != 1 ||
         t.numel() != static_cast<int64_t>(params_.size())) {
-      invalid(fmt::format("\"{}\" must list the {} trainable parameters", kOrderKey,
-                          params_.size()));
+      invalid(
+          fmt::format("\"{}\" must list the {} trainable parameters", kOrderKey, params_.size()));
     }
     const at::Tensor c = t.contiguous();
     std::vector<size_t> order;
@@ -415,9 +415,10 @@ std::exception_ptr DataParallel::Reducer::complete_communication(
     try {
       b.work->wait();
     } catch (const CommError&) {
-      broken("a gradient collective failed (a rank that failed inside a communication hook, "
-             "exited or ran out of data stops issuing them)",
-             std::current_exception());
+      broken(
+          "a gradient collective failed (a rank that failed inside a communication hook, "
+          "exited or ran out of data stops issuing them)",
+          std::current_exception());
     } catch (...) {
       // The collective completed everywhere; a hook's continuation failed on this rank.
       if (!failure) failure = std::current_exception();
@@ -459,7 +460,8 @@ void DataParallel::Reducer::backward(const at::Tensor& loss, bool gradient_sync)
   armed_ = false;
   if (hook_error_) {
     std::rethrow_exception(steps_.break_with(
-        "backward", "communication hook '" + hook_->name() + "' threw while issuing its collectives",
+        "backward",
+        "communication hook '" + hook_->name() + "' threw while issuing its collectives",
         hook_error_));
   }
   std::vector<uint8_t> used;

@@ -33,8 +33,8 @@
 namespace dtrain::fsdp {
 
 struct FlatParamOptions {
-  int shard_size = 1;  // ranks the flat buffer is sharded over
-  int shard_rank = 0;  // this rank's position among them
+  int shard_size = 1;                                    // ranks the flat buffer is sharded over
+  int shard_rank = 0;                                    // this rank's position among them
   c10::ScalarType param_dtype = c10::ScalarType::Float;  // dtype of `full` (compute)
   // The optimizer steps shard_view(i) (FsdpOptions::use_orig_params), not shard(): the
   // views' .grad are then the gradient add_to_shard_grad() adds to.
@@ -70,7 +70,7 @@ class FlatParam {
   at::Tensor& param(size_t i) { return params_[i]; }
   const std::string& name(size_t i) const { return names_[i]; }
   int64_t offset(size_t i) const { return offsets_[i]; }
-  int64_t numel() const { return numel_; }  // sum of the parameters' sizes
+  int64_t numel() const { return numel_; }    // sum of the parameters' sizes
   int64_t padded() const { return padded_; }  // numel rounded up to the shard group size
   int64_t shard_numel() const { return padded_ / options_.shard_size; }
   int64_t shard_begin() const { return options_.shard_rank * shard_numel(); }

@@ -40,8 +40,9 @@ ReshardAfterForward after_forward(const FsdpOptions& options, const ErrorContext
   }
   if (options.sharding == ShardingStrategy::kNoShard &&
       *options.reshard_after_forward != ReshardAfterForward::kNone) {
-    throw InvalidArgument(ctx, "NO_SHARD keeps every parameter: reshard_after_forward must be "
-                               "unset or kNone");
+    throw InvalidArgument(ctx,
+                          "NO_SHARD keeps every parameter: reshard_after_forward must be "
+                          "unset or kNone");
   }
   return *options.reshard_after_forward;
 }
@@ -67,8 +68,7 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
       }
       if (options.shard_group->world_size() * options.replicate_group->world_size() !=
           comm->world_size()) {
-        throw InvalidArgument(ctx,
-                              "shard group size x replicate group size must equal world size");
+        throw InvalidArgument(ctx, "shard group size x replicate group size must equal world size");
       }
       if (options.shard_group->world_size() > 1) c.shard = options.shard_group;
       if (options.replicate_group->world_size() > 1) c.replicate = options.replicate_group;
@@ -77,16 +77,17 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
   const auto param_dtype = options.mixed_precision.param_dtype.value_or(at::kFloat);
   c.reduce_dtype = options.mixed_precision.reduce_dtype.value_or(param_dtype);
   if (options.quantization_block < 1) {
-    throw InvalidArgument(ctx, "quantization_block must be >= 1, got " +
-                                   std::to_string(options.quantization_block));
+    throw InvalidArgument(
+        ctx, "quantization_block must be >= 1, got " + std::to_string(options.quantization_block));
   }
   c.quantize_params = options.quantize_params;
   c.quantize_grads = options.quantize_grads;
   c.quantization_block = options.quantization_block;
   if (c.shard && after_forward(options, ctx) == ReshardAfterForward::kHost) {
     if (!options.host_group) {
-      throw InvalidArgument(ctx, "reshard_after_forward kHost needs FsdpOptions::host_group (the "
-                                 "ranks of this host; see make_host_group)");
+      throw InvalidArgument(ctx,
+                            "reshard_after_forward kHost needs FsdpOptions::host_group (the "
+                            "ranks of this host; see make_host_group)");
     }
     c.host_size = options.host_group->world_size();
     c.host_rank = options.host_group->rank();
@@ -255,8 +256,8 @@ void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
   try {
     schedule_->begin_forward();
   } catch (...) {
-    std::rethrow_exception(steps_.break_with("forward", "gathering the root unit failed",
-                                             std::current_exception()));
+    std::rethrow_exception(
+        steps_.break_with("forward", "gathering the root unit failed", std::current_exception()));
   }
   fsdp::set_active_schedule(schedule_.get());
 }
@@ -319,9 +320,10 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
         if (!prefix || last.empty()) {
           std::rethrow_exception(steps_.break_with(
               "backward",
-              last.empty() ? "backward failed before any backward succeeded: the other ranks' "
-                             "remaining collectives are unknown"
-                           : "backward failed after collectives that differ from the last backward's",
+              last.empty()
+                  ? "backward failed before any backward succeeded: the other ranks' "
+                    "remaining collectives are unknown"
+                  : "backward failed after collectives that differ from the last backward's",
               failure));
         }
         s.replay(last, now.size());
@@ -331,8 +333,9 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
     }
   } catch (...) {
     s.end_backward();
-    std::rethrow_exception(steps_.break_with(
-        "backward", "its collectives may no longer match the other ranks'", std::current_exception()));
+    std::rethrow_exception(steps_.break_with("backward",
+                                             "its collectives may no longer match the other ranks'",
+                                             std::current_exception()));
   }
   const auto wait_start = Clock::now();
   // Waits inside complete() are part of the window measured below.

@@ -19,10 +19,14 @@ namespace dtrain::fsdp {
 
 const char* Schedule::name_of(Phase phase) {
   switch (phase) {
-    case Phase::kUnrecorded: return "UNRECORDED";
-    case Phase::kRecorded: return "RECORDED";
-    case Phase::kArmed: return "ARMED";
-    case Phase::kDraining: return "DRAINING";
+    case Phase::kUnrecorded:
+      return "UNRECORDED";
+    case Phase::kRecorded:
+      return "RECORDED";
+    case Phase::kArmed:
+      return "ARMED";
+    case Phase::kDraining:
+      return "DRAINING";
   }
   return "?";
 }
@@ -116,7 +120,8 @@ int Schedule::enter_unit(const torch::nn::Module& m, bool reads_in_backward) {
   Unit& u = units_[index];
   const size_t position = forward_order_.size();
   const ErrorContext ctx{comms_.rank, comms_.world_size, "forward", -1};
-  if (order_recorded() && (position >= recorded_order_.size() || recorded_order_[position] != index)) {
+  if (order_recorded() &&
+      (position >= recorded_order_.size() || recorded_order_[position] != index)) {
     throw InvalidArgument(
         ctx,
         fmt::format("unit execution order changed: unit #{} of this forward is '{}', the first "
@@ -126,10 +131,11 @@ int Schedule::enter_unit(const torch::nn::Module& m, bool reads_in_backward) {
                                                       : "nothing"));
   }
   if (order_recorded() && recorded_reads_[position] != static_cast<char>(reads_in_backward)) {
-    throw InvalidArgument(ctx, fmt::format("unit #{} of this forward, '{}', is called with "
-                                           "ParamsInBackward::{}, the first iteration used {}",
-                                           position, u.name(), reads_in_backward ? "kRead" : "kNotRead",
-                                           reads_in_backward ? "kNotRead" : "kRead"));
+    throw InvalidArgument(ctx,
+                          fmt::format("unit #{} of this forward, '{}', is called with "
+                                      "ParamsInBackward::{}, the first iteration used {}",
+                                      position, u.name(), reads_in_backward ? "kRead" : "kNotRead",
+                                      reads_in_backward ? "kNotRead" : "kRead"));
   }
   if (!reads_in_backward) {
     for (size_t k = 0; k < position; ++k) {
@@ -208,7 +214,8 @@ void Schedule::end_forward(Communicator& world) {
     // FNV-1a in unsigned arithmetic (wraps by definition; signed overflow would be UB).
     uint64_t digest = 14695981039346656037ULL;
     for (size_t k = 0; k < forward_order_.size(); ++k) {
-      const uint32_t entry = static_cast<uint32_t>(forward_order_[k]) * 2 + (forward_reads_[k] ? 1 : 0);
+      const uint32_t entry =
+          static_cast<uint32_t>(forward_order_[k]) * 2 + (forward_reads_[k] ? 1 : 0);
       digest = (digest ^ entry) * 1099511628211ULL;
     }
     const int n = world.world_size();
@@ -286,7 +293,8 @@ void Schedule::pre_backward(int position) {
   }
   // Backward runs units in reverse forward order: the next one to need its parameters
   // is the unit before this one in the forward order, unless that call's backward reads none.
-  const int next = position > 0 && recorded_reads_[position - 1] ? recorded_order_[position - 1] : -1;
+  const int next =
+      position > 0 && recorded_reads_[position - 1] ? recorded_order_[position - 1] : -1;
   if (options_.backward_prefetch == BackwardPrefetch::kBackwardPre) prefetch(next, " (prefetch)");
   if (u.param_state() == Unit::ParamState::kGathering) u.wait_unsharded();
 }
@@ -299,7 +307,8 @@ void Schedule::on_grad_ready(int index) {
 
 void Schedule::launch_ready_reductions() {
   // Strictly in the agreed order, so every rank issues the same collectives in the same order.
-  while (next_reduce_ < reduce_order_.size() && units_[reduce_order_[next_reduce_]].pending() <= 0) {
+  while (next_reduce_ < reduce_order_.size() &&
+         units_[reduce_order_[next_reduce_]].pending() <= 0) {
     if (next_reduce_ == 0) first_reduce_ = Clock::now();
     Unit& u = units_[reduce_order_[next_reduce_]];
     if (sync_) {
@@ -325,7 +334,8 @@ void Schedule::flush() {
 }
 
 void Schedule::replicate_until(size_t end) {
-  for (; next_replicate_ < end; ++next_replicate_) units_[reduce_order_[next_replicate_]].replicate();
+  for (; next_replicate_ < end; ++next_replicate_)
+    units_[reduce_order_[next_replicate_]].replicate();
 }
 
 void Schedule::complete() {
@@ -361,7 +371,8 @@ void Schedule::replay(const std::vector<Issued>& ops, size_t from) {
                                        comms_.quantization_block, nullptr)
               ->wait();
         } else {
-          comms_.shard->all_gather(at::empty({f.padded()}, param), at::zeros({f.shard_numel()}, param))
+          comms_.shard
+              ->all_gather(at::empty({f.padded()}, param), at::zeros({f.shard_numel()}, param))
               ->wait();
         }
         record("all_gather:" + name + " (replay)");
@@ -374,8 +385,8 @@ void Schedule::replay(const std::vector<Issued>& ops, size_t from) {
               ->wait();
         } else {
           comms_.shard
-              ->reduce_scatter(at::empty({f.shard_numel()}, reduce), at::zeros({f.padded()}, reduce),
-                               ReduceOp::kAvg)
+              ->reduce_scatter(at::empty({f.shard_numel()}, reduce),
+                               at::zeros({f.padded()}, reduce), ReduceOp::kAvg)
               ->wait();
         }
         record("reduce_scatter:" + name + " (replay)");

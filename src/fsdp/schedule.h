@@ -227,7 +227,7 @@ class Schedule final : private UnitObserver {
   std::vector<int> reduce_order_;
   size_t next_reduce_ = 0;
   size_t next_replicate_ = 0;  // reduce_order_ position of the next unit to all-reduce
-  bool sync_ = true;  // the step's gradient-sync setting
+  bool sync_ = true;           // the step's gradient-sync setting
   Clock::time_point first_reduce_;
 
   bool failed_ = false;  // the failure latch (see the top of this file)

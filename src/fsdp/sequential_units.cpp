@@ -104,9 +104,8 @@ SequentialUnits::~SequentialUnits() {
 
 namespace torch::nn {
 
-std::unique_ptr<AnyModulePlaceholder>
-AnyModuleHolder<dtrain::fsdp::UnitEntry, std::vector<AnyValue>>::clone_module(
-    optional<Device> device) const {
+std::unique_ptr<AnyModulePlaceholder> AnyModuleHolder<
+    dtrain::fsdp::UnitEntry, std::vector<AnyValue>>::clone_module(optional<Device> device) const {
   return std::make_unique<AnyModuleHolder>(
       std::make_shared<dtrain::fsdp::UnitEntry>(module->original().clone(device)));
 }

@@ -52,8 +52,8 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::
     const fsdp::FlatParam& f = schedule_->unit(k).flat();
     // Gather the fp32 master shards (not the compute-dtype copy) so nothing is rounded.
     // On full's device (the communicator's), also when the shard is offloaded to the host.
-    at::Tensor flat = at::empty(
-        {f.padded()}, at::TensorOptions().dtype(at::kFloat).device(f.full().device()));
+    at::Tensor flat =
+        at::empty({f.padded()}, at::TensorOptions().dtype(at::kFloat).device(f.full().device()));
     if (shard_comm) {
       shard_comm->all_gather(flat, f.shard().detach().to(flat.device()))->wait();
     } else {
@@ -61,8 +61,9 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::
     }
     if (comm_->rank() != 0) continue;
     for (size_t i = 0; i < f.num_params(); ++i) {
-      out.emplace_back(f.name(i),
-                       flat.narrow(0, f.offset(i), f.param(i).numel()).view(f.param(i).sizes()).clone());
+      out.emplace_back(
+          f.name(i),
+          flat.narrow(0, f.offset(i), f.param(i).numel()).view(f.param(i).sizes()).clone());
     }
   }
   if (comm_->rank() == 0) {
@@ -92,10 +93,10 @@ FullyShardedDataParallel::Impl::sharded_state_dict() {
     out.emplace_back(u.name() + ".flat_shard", f.shard().detach().clone());
     // [shard rank, shard group size, unpadded numel, padded numel]: enough to reassemble
     // the flat buffer and re-shard it for another world size.
-    out.emplace_back(u.name() + ".flat_meta",
-                     at::tensor({int64_t{f.shard_rank()}, int64_t{f.shard_size()}, f.numel(),
-                                 f.padded()},
-                                at::kLong));
+    out.emplace_back(
+        u.name() + ".flat_meta",
+        at::tensor({int64_t{f.shard_rank()}, int64_t{f.shard_size()}, f.numel(), f.padded()},
+                   at::kLong));
     for (size_t i = 0; i < f.num_params(); ++i) {
       out.emplace_back(u.name() + ".param." + f.name(i),
                        at::tensor({f.offset(i), f.param(i).numel()}, at::kLong));

@@ -17,22 +17,32 @@ using Clock = std::chrono::steady_clock;
 
 const char* Unit::name_of(ParamState s) {
   switch (s) {
-    case ParamState::kSharded: return "SHARDED";
-    case ParamState::kShardedPostForward: return "SHARDED_POST_FORWARD";
-    case ParamState::kGathering: return "GATHERING";
-    case ParamState::kUnsharded: return "UNSHARDED";
+    case ParamState::kSharded:
+      return "SHARDED";
+    case ParamState::kShardedPostForward:
+      return "SHARDED_POST_FORWARD";
+    case ParamState::kGathering:
+      return "GATHERING";
+    case ParamState::kUnsharded:
+      return "UNSHARDED";
   }
   return "?";
 }
 
 const char* Unit::name_of(GradState s) {
   switch (s) {
-    case GradState::kIdle: return "IDLE";
-    case GradState::kAccumulating: return "ACCUMULATING";
-    case GradState::kHeld: return "HELD";
-    case GradState::kReducing: return "REDUCING";
-    case GradState::kReplicating: return "REPLICATING";
-    case GradState::kReduced: return "REDUCED";
+    case GradState::kIdle:
+      return "IDLE";
+    case GradState::kAccumulating:
+      return "ACCUMULATING";
+    case GradState::kHeld:
+      return "HELD";
+    case GradState::kReducing:
+      return "REDUCING";
+    case GradState::kReplicating:
+      return "REPLICATING";
+    case GradState::kReduced:
+      return "REDUCED";
   }
   return "?";
 }

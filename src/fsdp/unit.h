@@ -187,7 +187,7 @@ class Unit {
 
   GradState grad_ = GradState::kIdle;
   int pending_ = 0;
-  at::Tensor held_;        // fp32, `padded` elements; undefined when nothing is held
+  at::Tensor held_;         // fp32, `padded` elements; undefined when nothing is held
   WorkPtr reduce_work_;     // REDUCING: the reduce-scatter (null without a shard group)
   WorkPtr replicate_work_;  // REPLICATING: the all-reduce over replicas
   at::Tensor reduce_out_;   // REDUCING / REPLICATING / REDUCED

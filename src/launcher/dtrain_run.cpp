@@ -136,20 +136,23 @@ std::map<std::string, std::string> rendezvous_environment(int nnodes) {
   std::string id = absl::GetFlag(FLAGS_rdzv_id);
   if (backend == "c10d" || backend == "static") {
     if (!endpoint.empty())
-      throw std::invalid_argument("--rdzv_endpoint is for --rdzv_backend etcd; the built-in "
-                                  "store is at --master_addr and --master_port");
+      throw std::invalid_argument(
+          "--rdzv_endpoint is for --rdzv_backend etcd; the built-in "
+          "store is at --master_addr and --master_port");
     return {};
   }
   if (backend != "etcd")
     throw std::invalid_argument("--rdzv_backend expects c10d, static or etcd, got '" + backend +
                                 "'");
   if (endpoint.empty())
-    throw std::invalid_argument("--rdzv_backend etcd needs --rdzv_endpoint HOST:PORT (the etcd "
-                                "server's client URL)");
+    throw std::invalid_argument(
+        "--rdzv_backend etcd needs --rdzv_endpoint HOST:PORT (the etcd "
+        "server's client URL)");
   if (id.empty()) {
     if (nnodes > 1)
-      throw std::invalid_argument("--rdzv_backend etcd with --nnodes > 1 needs --rdzv_id: the "
-                                  "same id on every node, new for every job");
+      throw std::invalid_argument(
+          "--rdzv_backend etcd with --nnodes > 1 needs --rdzv_id: the "
+          "same id on every node, new for every job");
     // One node: nobody else must agree on it, and a fresh id never meets an old run's keys.
     std::random_device rd;
     id = fmt::format("dtrain-run-{}-{:08x}", getpid(), rd());

@@ -59,8 +59,8 @@ std::map<std::string, std::string> host_memory_environment_from_env() {
 bool malloc_huge_pages_requested() {
   const char* tunables = std::getenv(kGlibcTunablesEnv);
   std::string value;
-  return tunables != nullptr && find_tunable(tunables, kHugetlbTunable, &value) &&
-         !value.empty() && value != "0";
+  return tunables != nullptr && find_tunable(tunables, kHugetlbTunable, &value) && !value.empty() &&
+         value != "0";
 }
 
 }  // namespace dtrain

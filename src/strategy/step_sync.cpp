@@ -17,11 +17,14 @@ constexpr size_t kMessageBytes = 384;  // of a failing rank's what(), sent to it
 // "the start of step 12", "the end of backward of step 12", ...
 std::string point_name(int64_t p, int64_t step) {
   switch (static_cast<StepSync::Point>(p)) {
-    case StepSync::Point::kStart: return fmt::format("the start of step {}", step);
-    case StepSync::Point::kFinish: return fmt::format("finish() at step {}", step);
+    case StepSync::Point::kStart:
+      return fmt::format("the start of step {}", step);
+    case StepSync::Point::kFinish:
+      return fmt::format("finish() at step {}", step);
     case StepSync::Point::kForwardEnd:
       return fmt::format("the end of the evaluation forward of step {}", step);
-    case StepSync::Point::kBackwardEnd: return fmt::format("the end of backward of step {}", step);
+    case StepSync::Point::kBackwardEnd:
+      return fmt::format("the end of backward of step {}", step);
   }
   return fmt::format("an unknown point of step {}", step);
 }
@@ -56,9 +59,9 @@ void StepSync::check_usable(const char* /*op*/) const {
 std::exception_ptr StepSync::break_with(const char* op, const std::string& why,
                                         std::exception_ptr cause) {
   if (!broken_) {
-    broken_ = std::make_exception_ptr(CommError(
-        ctx(op), fmt::format("{} is unusable since step {}: {}: {}", strategy_, step_, why,
-                             cause ? describe(cause) : std::string("no cause"))));
+    broken_ = std::make_exception_ptr(
+        CommError(ctx(op), fmt::format("{} is unusable since step {}: {}: {}", strategy_, step_,
+                                       why, cause ? describe(cause) : std::string("no cause"))));
   }
   return broken_;
 }
@@ -86,9 +89,9 @@ void StepSync::start_step(const char* op) {
   std::vector<int> with, without, elsewhere;
   for (int r = 0; r < table.rows(); ++r) {
     const int64_t p = table(r, 0);
-    (p == static_cast<int64_t>(Point::kStart) ? with
+    (p == static_cast<int64_t>(Point::kStart)    ? with
      : p == static_cast<int64_t>(Point::kFinish) ? without
-                                                  : elsewhere)
+                                                 : elsewhere)
         .push_back(r);
   }
   if (!elsewhere.empty()) {
@@ -114,9 +117,9 @@ void StepSync::finish() {
   }
   --step_;  // finish() is not a step: a later forward() starts this one
   if (!with.empty()) {
-    throw InvalidArgument(ctx("finish"), fmt::format("{} had no batch at step {} while {} did",
-                                                     ranks_text(without), step_ + 1,
-                                                     ranks_text(with)));
+    throw InvalidArgument(
+        ctx("finish"), fmt::format("{} had no batch at step {} while {} did", ranks_text(without),
+                                   step_ + 1, ranks_text(with)));
   }
 }
 

@@ -27,7 +27,8 @@ using namespace dtrain::testing;
 struct DropoutNetImpl : torch::nn::Module {
   explicit DropoutNetImpl(bool checkpointed, double p = 0.2) : checkpointed(checkpointed), p(p) {
     wte = register_module("wte", torch::nn::Embedding(40, 16));
-    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("h" + std::to_string(i), Block(16, 2)));
+    for (int i = 0; i < 3; ++i)
+      blocks.push_back(register_module("h" + std::to_string(i), Block(16, 2)));
   }
   at::Tensor forward(const at::Tensor& idx) {
     at::Tensor x = wte->forward(idx);
@@ -37,7 +38,8 @@ struct DropoutNetImpl : torch::nn::Module {
       };
       // unit_call outside: FSDP gathers the unit for the forward and again before the
       // recompute (its pre-backward hook on the output), as for any unit.
-      x = dtrain::unit_call(*b, [&] { return checkpointed ? dtrain::checkpoint(block, x) : block(x); });
+      x = dtrain::unit_call(*b,
+                            [&] { return checkpointed ? dtrain::checkpoint(block, x) : block(x); });
     }
     return at::matmul(x, wte->weight.t());
   }
@@ -93,7 +95,8 @@ TEST(ActivationCheckpoint, ParametersGetGradientsWhenNoInputRequiresGrad) {
   torch::manual_seed(5);
   auto lin = torch::nn::Linear(6, 3);
   const at::Tensor x = at::randn({5, 6});  // requires no grad: only the weights do
-  at::Tensor y = dtrain::checkpoint([&](const at::Tensor& in) { return at::tanh(lin->forward(in)); }, x);
+  at::Tensor y =
+      dtrain::checkpoint([&](const at::Tensor& in) { return at::tanh(lin->forward(in)); }, x);
   ASSERT_TRUE(y.requires_grad());
   y.sum().backward();
   const at::Tensor g = lin->weight.grad().clone();
@@ -168,8 +171,9 @@ TEST(ActivationCheckpoint, DataParallelHooksFireFromTheRecompute) {
     DataParallel ddp(net.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
     for (int step = 0; step < 3; ++step) {
       net->zero_grad();
-      at::Tensor loss = ddp.forward(
-          [&] { return loss_of(net->forward(idx.narrow(0, 2 * r, 2)), targets.narrow(0, 2 * r, 2)); });
+      at::Tensor loss = ddp.forward([&] {
+        return loss_of(net->forward(idx.narrow(0, 2 * r, 2)), targets.narrow(0, 2 * r, 2));
+      });
       ddp.backward(loss);
       torch::NoGradGuard no_grad;
       for (auto& p : net->parameters()) p.sub_(p.grad(), 0.1);
@@ -192,24 +196,29 @@ TEST(ActivationCheckpoint, FsdpUnitsAreGatheredForTheRecompute) {
   const at::Tensor &idx = m.idx, &targets = m.targets;
   const auto &plain = m.plain, &ckpt = m.ckpt;
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> plain_state(2), ckpt_state(2);
-  auto train = [&](Communicator& comm, DropoutNet net, std::vector<std::pair<std::string, at::Tensor>>& state) {
+  auto train = [&](Communicator& comm, DropoutNet net,
+                   std::vector<std::pair<std::string, at::Tensor>>& state) {
     at::set_num_threads(1);
     const int r = comm.rank();
     FsdpOptions o;
     o.wrap_policy = wrap_modules_named("BlockImpl");
-    FullyShardedDataParallel fsdp(net.ptr(), std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+    FullyShardedDataParallel fsdp(net.ptr(),
+                                  std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
     for (int step = 0; step < 3; ++step) {
       for (auto& p : fsdp.parameters()) p.mutable_grad().reset();
-      at::Tensor loss = fsdp.forward(
-          [&] { return loss_of(net->forward(idx.narrow(0, 2 * r, 2)), targets.narrow(0, 2 * r, 2)); });
+      at::Tensor loss = fsdp.forward([&] {
+        return loss_of(net->forward(idx.narrow(0, 2 * r, 2)), targets.narrow(0, 2 * r, 2));
+      });
       fsdp.backward(loss);
       torch::NoGradGuard no_grad;
       for (auto& p : fsdp.parameters()) p.sub_(p.grad(), 0.1);
     }
     state = fsdp.full_state_dict();
   };
-  run_ranks(2, [&](Communicator& comm) { train(comm, plain[comm.rank()], plain_state[comm.rank()]); });
-  run_ranks(2, [&](Communicator& comm) { train(comm, ckpt[comm.rank()], ckpt_state[comm.rank()]); });
+  run_ranks(2,
+            [&](Communicator& comm) { train(comm, plain[comm.rank()], plain_state[comm.rank()]); });
+  run_ranks(2,
+            [&](Communicator& comm) { train(comm, ckpt[comm.rank()], ckpt_state[comm.rank()]); });
   ASSERT_EQ(plain_state[0].size(), ckpt_state[0].size());
   ASSERT_FALSE(plain_state[0].empty());  // rank 0 holds the full state
   for (size_t i = 0; i < plain_state[0].size(); ++i) {

@@ -22,6 +22,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "checkpoint/checkpoint_ranks.h"
 #include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
 #include "compat/torch_compat.h"
@@ -31,7 +32,6 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/rendezvous.h"
 #include "dtrain/single_device.h"
-#include "checkpoint/checkpoint_ranks.h"
 #include "strategy/training.h"
 #include "support/check.h"
 #include "support/ranks.h"
@@ -229,8 +229,7 @@ TEST(Checkpoint, RefusesMismatchedAndCorruptedCheckpoints) {
     groups.emplace_back(std::vector<at::Tensor>(params.begin(), params.begin() + 2));
     groups.emplace_back(std::vector<at::Tensor>(params.begin() + 2, params.end()));
     torch::optim::AdamW two(std::move(groups), torch::optim::AdamWOptions(1e-2));
-    expect_refused(single, &two,
-                   {"optimizer mismatch", "1 parameter group(s), the optimizer 2"});
+    expect_refused(single, &two, {"optimizer mismatch", "1 parameter group(s), the optimizer 2"});
   }
   // A flipped byte in the data file: refused by its checksum.
   std::string bytes;
@@ -278,8 +277,8 @@ checkpoint::Generators stand_in_generators(int cuda_devices, uint64_t seed) {
 // The next draw of a generator: equal draws, equal states.
 double draw(at::Generator g) { return at::rand({1}, g).item<double>(); }
 
-SafetensorsReader write_and_open(
-    const TempDir& dir, const std::vector<std::pair<std::string, at::Tensor>>& entries) {
+SafetensorsReader write_and_open(const TempDir& dir,
+                                 const std::vector<std::pair<std::string, at::Tensor>>& entries) {
   const std::string path = dir / "extra.safetensors";
   checkpoint::write_safetensors(path, entries);
   return SafetensorsReader(path);
@@ -354,8 +353,7 @@ TEST(CheckpointRng, MissingCudaEntryIsACheckpointError) {
     checkpoint::read_rng_entries(reader, 0);
     ADD_FAILURE() << "read a checkpoint with a CUDA state missing";
   } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find("rng/cuda/0/1 is missing"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("rng/cuda/0/1 is missing"), std::string::npos) << e.what();
   }
 }
 
@@ -417,9 +415,9 @@ TEST(CheckpointKill, RankKilledAtAnyPointOfAShardedSaveLeavesALoadableCheckpoint
     const char* point;
     int rank;
   };
-  for (const Kill k : {Kill{"tmp_created", 1}, Kill{"mid_file", 0}, Kill{"mid_file", 1},
-                       Kill{"files_written", 0}, Kill{"files_written", 1},
-                       Kill{"before_rename", 0}, Kill{"renamed", 0}}) {
+  for (const Kill k :
+       {Kill{"tmp_created", 1}, Kill{"mid_file", 0}, Kill{"mid_file", 1}, Kill{"files_written", 0},
+        Kill{"files_written", 1}, Kill{"before_rename", 0}, Kill{"renamed", 0}}) {
     SCOPED_TRACE(std::string(k.point) + " on rank " + std::to_string(k.rank));
     TempDir dir("ckrankkill");
     const std::string d = (dir.path() / "ckpts").string();
@@ -429,7 +427,8 @@ TEST(CheckpointKill, RankKilledAtAnyPointOfAShardedSaveLeavesALoadableCheckpoint
       auto env = rank_env(r, 2, port);
       env["DTRAIN_TEST_PAUSE_AT"] = k.point;
       env["DTRAIN_TEST_PAUSE_RANK"] = std::to_string(k.rank);
-      ranks.push_back(spawn_process({DTRAIN_TEST_WORKER, "sharded_checkpoint_writer", "20000", d}, env));
+      ranks.push_back(
+          spawn_process({DTRAIN_TEST_WORKER, "sharded_checkpoint_writer", "20000", d}, env));
     }
     const fs::path flag = dir.path() / ("paused." + std::to_string(k.rank));
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);

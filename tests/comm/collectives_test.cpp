@@ -96,70 +96,82 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooSegments, ::testing::Values(1, 2, 3, 4)
 TEST_P(Collectives, SendRecvRing) {
   const int world = this->world();
   if (world == 1) GTEST_SKIP() << "send/recv needs a peer";
-  run_ranks(world, [&](Communicator& c) {
-    const int right = (c.rank() + 1) % world;
-    const int left = (c.rank() - 1 + world) % world;
-    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1 << 20}}) {
-      at::Tensor out = make_input(at::kFloat, n, c.rank());
-      at::Tensor in = at::zeros({n}, at::kFloat);
-      auto s = c.send(out, right, 7);
-      auto r = c.recv(in, left, 7);
-      s->wait();
-      r->wait();
-      expect_values(
-          in, [&](int64_t i) { return value(left, i); }, label("recv", at::kFloat, n, c.rank()));
-    }
-  }, on(transport()));
+  run_ranks(
+      world,
+      [&](Communicator& c) {
+        const int right = (c.rank() + 1) % world;
+        const int left = (c.rank() - 1 + world) % world;
+        for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1 << 20}}) {
+          at::Tensor out = make_input(at::kFloat, n, c.rank());
+          at::Tensor in = at::zeros({n}, at::kFloat);
+          auto s = c.send(out, right, 7);
+          auto r = c.recv(in, left, 7);
+          s->wait();
+          r->wait();
+          expect_values(
+              in, [&](int64_t i) { return value(left, i); },
+              label("recv", at::kFloat, n, c.rank()));
+        }
+      },
+      on(transport()));
 }
 
 TEST_P(Collectives, AsyncCallsCompleteInIssueOrderWithSameSequenceOnEveryRank) {
   const int world = this->world();
-  run_ranks(world, [&](Communicator& c) {
-    std::vector<at::Tensor> ts;
-    std::vector<WorkPtr> works;
-    for (int k = 0; k < 6; ++k) {
-      ts.push_back(make_input(at::kFloat, 4096 + k, c.rank()));
-      works.push_back(c.all_reduce(ts.back()));
-    }
-    // Waiting in reverse order must not deadlock; completion follows issue order.
-    for (int k = 5; k >= 0; --k) works[k]->wait();
-    for (int k = 0; k < 6; ++k) {
-      DTRAIN_CHECK(works[k]->is_completed() && works[k]->exception() == nullptr, "work {}", k);
-      expect_values(
-          ts[k], [&](int64_t i) { return reduce_expected(ReduceOp::kSum, world, i); },
-          fmt::format("async all_reduce {}", k));
-    }
-    at::Tensor seqs = at::empty({6 * world}, at::kLong);
-    at::Tensor mine = at::empty({6}, at::kLong);
-    for (int k = 0; k < 6; ++k) mine[k] = static_cast<int64_t>(works[k]->sequence_number());
-    c.all_gather(seqs, mine)->wait();
-    for (int r = 1; r < world; ++r)
-      DTRAIN_CHECK(at::equal(seqs.narrow(0, 0, 6), seqs.narrow(0, 6 * r, 6)),
-                   "sequence numbers differ between rank 0 and rank {}", r);
-    for (int k = 1; k < 6; ++k)
-      DTRAIN_CHECK(works[k]->sequence_number() == works[k - 1]->sequence_number() + 1, "seq");
-    DTRAIN_CHECK(works[0]->op_name() == "all_reduce", "op name {}", works[0]->op_name());
-  }, on(transport()));
+  run_ranks(
+      world,
+      [&](Communicator& c) {
+        std::vector<at::Tensor> ts;
+        std::vector<WorkPtr> works;
+        for (int k = 0; k < 6; ++k) {
+          ts.push_back(make_input(at::kFloat, 4096 + k, c.rank()));
+          works.push_back(c.all_reduce(ts.back()));
+        }
+        // Waiting in reverse order must not deadlock; completion follows issue order.
+        for (int k = 5; k >= 0; --k) works[k]->wait();
+        for (int k = 0; k < 6; ++k) {
+          DTRAIN_CHECK(works[k]->is_completed() && works[k]->exception() == nullptr, "work {}", k);
+          expect_values(
+              ts[k], [&](int64_t i) { return reduce_expected(ReduceOp::kSum, world, i); },
+              fmt::format("async all_reduce {}", k));
+        }
+        at::Tensor seqs = at::empty({6 * world}, at::kLong);
+        at::Tensor mine = at::empty({6}, at::kLong);
+        for (int k = 0; k < 6; ++k) mine[k] = static_cast<int64_t>(works[k]->sequence_number());
+        c.all_gather(seqs, mine)->wait();
+        for (int r = 1; r < world; ++r)
+          DTRAIN_CHECK(at::equal(seqs.narrow(0, 0, 6), seqs.narrow(0, 6 * r, 6)),
+                       "sequence numbers differ between rank 0 and rank {}", r);
+        for (int k = 1; k < 6; ++k)
+          DTRAIN_CHECK(works[k]->sequence_number() == works[k - 1]->sequence_number() + 1, "seq");
+        DTRAIN_CHECK(works[0]->op_name() == "all_reduce", "op name {}", works[0]->op_name());
+      },
+      on(transport()));
 }
 
 TEST_P(Collectives, BarrierWaitsForTheSlowestRank) {
   const int world = this->world();
   if (world == 1) GTEST_SKIP() << "nothing to wait for";
-  run_ranks(world, [&](Communicator& c) {
-    if (c.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    auto start = std::chrono::steady_clock::now();
-    c.barrier()->wait();
-    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (c.rank() != 0) DTRAIN_CHECK(waited > 0.2, "barrier returned after {} s", waited);
-  }, on(transport()));
+  run_ranks(
+      world,
+      [&](Communicator& c) {
+        if (c.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        auto start = std::chrono::steady_clock::now();
+        c.barrier()->wait();
+        double waited =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (c.rank() != 0) DTRAIN_CHECK(waited > 0.2, "barrier returned after {} s", waited);
+      },
+      on(transport()));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    TransportsAndWorldSizes, Collectives,
-    ::testing::Combine(::testing::ValuesIn(kTransports), ::testing::Values(1, 2, 3, 4)),
-    [](const auto& info) {
-      return std::get<0>(info.param).name + "_world" + std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(TransportsAndWorldSizes, Collectives,
+                         ::testing::Combine(::testing::ValuesIn(kTransports),
+                                            ::testing::Values(1, 2, 3, 4)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param).name + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 TEST(CollectiveArguments, BadInputsThrowInvalidArgumentNamingRankAndOp) {
   run_ranks(2, [&](Communicator& c) {

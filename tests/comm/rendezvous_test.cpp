@@ -9,8 +9,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
-#include <optional>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -153,8 +153,8 @@ TEST(DeviceContract, NcclRefusesMoreRanksThanGpusNamingCountsAndRemedies) {
   // Every rank refuses, also local rank 0, whose device exists: otherwise it would wait in
   // NCCL's initialisation for peers that failed.
   for (int r = 0; r < 4; ++r) {
-    const std::string msg = invalid_message(
-        [&] { launch_on_host(r, 4, std::nullopt).cuda_device(1, Backend::kNccl); });
+    const std::string msg =
+        invalid_message([&] { launch_on_host(r, 4, std::nullopt).cuda_device(1, Backend::kNccl); });
     EXPECT_NE(msg.find("4 ranks on this host"), std::string::npos) << msg;
     EXPECT_NE(msg.find("1 visible CUDA device"), std::string::npos) << msg;
     EXPECT_NE(msg.find("CUDA_VISIBLE_DEVICES unset"), std::string::npos) << msg;
@@ -210,8 +210,7 @@ TEST(DeviceContract, SharedGpuAcrossRanksIsFoundByUuid) {
   const GpuClaim a_again{"GPU-aaaa", "node1", 0, 1};
   const auto msg = detail::find_shared_gpu({b, a, a_again});
   ASSERT_TRUE(msg.has_value());
-  EXPECT_NE(msg->find("ranks 1 and 2 would both use GPU GPU-aaaa on host node1"),
-            std::string::npos)
+  EXPECT_NE(msg->find("ranks 1 and 2 would both use GPU GPU-aaaa on host node1"), std::string::npos)
       << *msg;
   EXPECT_NE(msg->find("sees 1 CUDA device"), std::string::npos) << *msg;
   EXPECT_NE(msg->find("Gloo backend"), std::string::npos) << *msg;
@@ -323,12 +322,20 @@ TEST(LaunchConventions, SlurmFallbacksAndOverrides) {
 
 TEST(LaunchConventions, PrecedenceTorchrunThenOpenMpiThenSlurm) {
   // dtrain-run inside an srun step: dtrain-run's RANK/WORLD_SIZE describe this process.
-  Env env{{"RANK", "3"},         {"WORLD_SIZE", "8"},       {"LOCAL_RANK", "3"},
-          {"LOCAL_WORLD_SIZE", "4"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
-          {"SLURM_LOCALID", "0"},    {"SLURM_NTASKS_PER_NODE", "1"},
-          {"SLURM_JOB_NODELIST", "n1"}, {"OMPI_COMM_WORLD_RANK", "1"},
-          {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
-          {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}, {"MASTER_ADDR", "n1"}};
+  Env env{{"RANK", "3"},
+          {"WORLD_SIZE", "8"},
+          {"LOCAL_RANK", "3"},
+          {"LOCAL_WORLD_SIZE", "4"},
+          {"SLURM_PROCID", "0"},
+          {"SLURM_NTASKS", "2"},
+          {"SLURM_LOCALID", "0"},
+          {"SLURM_NTASKS_PER_NODE", "1"},
+          {"SLURM_JOB_NODELIST", "n1"},
+          {"OMPI_COMM_WORLD_RANK", "1"},
+          {"OMPI_COMM_WORLD_SIZE", "2"},
+          {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+          {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
+          {"MASTER_ADDR", "n1"}};
   EXPECT_EQ(LaunchInfo::from_env(env).source, LaunchSource::kTorchrun);
   EXPECT_EQ(LaunchInfo::from_env(env).rank, 3);
   env.erase("RANK");
@@ -416,7 +423,8 @@ TEST(ListenAddress, NamedInterfaceIsUsedAndAMissingOneIsAClearError) {
   o.interface = "lo";
   o.timeout = std::chrono::milliseconds(20000);
   testing::run_ranks(
-      2, [](Communicator& c) {
+      2,
+      [](Communicator& c) {
         at::Tensor t = at::ones({4});
         c.all_reduce(t)->wait();
         if (t[0].item<float>() != 2) throw std::runtime_error("all_reduce over lo");
@@ -496,11 +504,13 @@ TEST(MultiProcess, DuplicateRankFailsEveryRankWithTheCause) {
   const int port = testing::free_port();
   auto start = std::chrono::steady_clock::now();
   std::vector<testing::Process> ps;
-  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
-                                      testing::rank_env(0, 3, port)));
+  ps.push_back(
+      testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                             testing::rank_env(0, 3, port)));
   for (int k = 0; k < 2; ++k) {
-    ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
-                                        testing::rank_env(1, 3, port)));
+    ps.push_back(
+        testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                               testing::rank_env(1, 3, port)));
   }
   for (auto& p : ps) {
     auto res = testing::wait_process(p, 60);
@@ -517,10 +527,12 @@ TEST(MultiProcess, WorldSizeMismatchFailsEveryRankWithTheCause) {
   const int timeout_ms = 15000;
   const int port = testing::free_port();
   std::vector<testing::Process> ps;
-  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
-                                      testing::rank_env(0, 2, port)));
-  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
-                                      testing::rank_env(1, 3, port)));
+  ps.push_back(
+      testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                             testing::rank_env(0, 2, port)));
+  ps.push_back(
+      testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", std::to_string(timeout_ms)},
+                             testing::rank_env(1, 3, port)));
   for (auto& p : ps) {
     auto res = testing::wait_process(p, 60);
     EXPECT_EQ(res.exit_code, 1) << res.output;

@@ -72,7 +72,8 @@ TEST_P(ShmCollectives, RandomFloatsBitExactInRankOrder) {
       [&](Communicator& c) {
         for (int64_t n : {int64_t{5}, int64_t{4099}, int64_t{300001}}) {
           auto input = [&](int r) {
-            return at::sin(at::arange(n, at::kFloat) * (0.37f * static_cast<float>(r + 1))) * 100.0f;
+            return at::sin(at::arange(n, at::kFloat) * (0.37f * static_cast<float>(r + 1))) *
+                   100.0f;
           };
           at::Tensor want = input(0);
           for (int r = 1; r < world; ++r) want = want + input(r);
@@ -115,7 +116,10 @@ TEST_P(ShmHierarchical, EveryOpDtypeAndSize) {
   o.transport = Transport::kAuto;
   if (GetParam().size() == 2) o.transport = Transport::kSharedMemory;  // one rank per host
   run_fake_hosts(
-      GetParam(), [&](Communicator& c) { run_collective_matrix(c, "hierarchical", {0, 1, 7, 1001}); },
+      GetParam(),
+      [&](Communicator& c) {
+        run_collective_matrix(c, "hierarchical", {0, 1, 7, 1001});
+      },
       o);
 }
 
@@ -206,7 +210,8 @@ TEST(ShmHierarchicalSelection, UnevenHostsUseGlooOrAreRefused) {
   run_fake_hosts(
       {"A", "B"}, [&](Communicator& c) { require_transport(c, "gloo"); }, CommunicatorOptions{});
   try {
-    run_fake_hosts(hosts, [&](Communicator&) {}, shm_options());
+    run_fake_hosts(
+        hosts, [&](Communicator&) {}, shm_options());
     ADD_FAILURE() << "no error";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("needs the same number of ranks on every host"),
@@ -280,8 +285,7 @@ TEST(ShmSelection, RanksAskingForDifferentTransportsAreRefusedOnEveryRank) {
   }
   for (auto& t : threads) t.join();
   for (const auto& e : errors) {
-    EXPECT_NE(e.find("rank 0 asks for transport gloo, rank 1 for shared_memory"),
-              std::string::npos)
+    EXPECT_NE(e.find("rank 0 asks for transport gloo, rank 1 for shared_memory"), std::string::npos)
         << e;
   }
 }

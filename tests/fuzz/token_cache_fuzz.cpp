@@ -73,8 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (vocab < 1 || vocab > 65536) vocab = 65536;
     if ((mode & 1) != 0) {
       const size_t payload = bytes.size() - gpt2::kTokenCacheHeaderBytes;
-      store_le(bytes, 32,
-               dtrain::crc32c(0, bytes.data() + gpt2::kTokenCacheHeaderBytes, payload),
+      store_le(bytes, 32, dtrain::crc32c(0, bytes.data() + gpt2::kTokenCacheHeaderBytes, payload),
                4);
       store_le(bytes, 36, dtrain::crc32c(0, bytes.data(), 36), 4);
     }

@@ -201,10 +201,10 @@ TEST(NcclMaps, EveryDtypeMapsToNcclsTypeOfTheSameKindAndSize) {
     ncclDataType_t nccl;
     size_t bytes;
   };
-  const std::vector<Row> rows = {
-      {at::kFloat, ncclFloat32, 4}, {at::kDouble, ncclFloat64, 8}, {at::kHalf, ncclFloat16, 2},
-      {at::kBFloat16, ncclBfloat16, 2}, {at::kChar, ncclInt8, 1},   {at::kByte, ncclUint8, 1},
-      {at::kInt, ncclInt32, 4},         {at::kLong, ncclInt64, 8}};
+  const std::vector<Row> rows = {{at::kFloat, ncclFloat32, 4}, {at::kDouble, ncclFloat64, 8},
+                                 {at::kHalf, ncclFloat16, 2},  {at::kBFloat16, ncclBfloat16, 2},
+                                 {at::kChar, ncclInt8, 1},     {at::kByte, ncclUint8, 1},
+                                 {at::kInt, ncclInt32, 4},     {at::kLong, ncclInt64, 8}};
   const ErrorContext ctx{0, 1, "test", -1};
   for (const Row& r : rows) {
     EXPECT_EQ(nccl_backend::nccl_type(r.dtype, ctx), r.nccl) << c10::toString(r.dtype);
@@ -251,8 +251,7 @@ TEST_F(Nccl, ViewsWithStorageOffsetsGetExactlyTheirElements) {
       at::Tensor out_buf = cuda_full(n * kWorld + 2 * pad, sentinel, dtype);
       at::Tensor out = out_buf.narrow(0, pad, n * kWorld);
       c->all_gather(out, in)->wait();
-      EXPECT_EQ(mismatch(out, [&](int64_t j) { return value(static_cast<int>(j / n), j % n); }),
-                "")
+      EXPECT_EQ(mismatch(out, [&](int64_t j) { return value(static_cast<int>(j / n), j % n); }), "")
           << what << " all_gather";
       EXPECT_EQ(padded(out_buf, n * kWorld), "") << what << " all_gather padding";
       EXPECT_EQ(padded(in_buf, n), "") << what << " all_gather input padding";
@@ -266,8 +265,8 @@ TEST_F(Nccl, ViewsWithStorageOffsetsGetExactlyTheirElements) {
       for (ReduceOp op : ops_for(dtype)) {
         c->reduce_scatter(shard, flat, op)->wait();
         const int64_t base = c->rank() * n;
-        EXPECT_EQ(
-            mismatch(shard, [&](int64_t i) { return reduce_expected(op, kWorld, base + i); }), "")
+        EXPECT_EQ(mismatch(shard, [&](int64_t i) { return reduce_expected(op, kWorld, base + i); }),
+                  "")
             << what << " reduce_scatter " << to_string(op);
         EXPECT_EQ(padded(shard_buf, n), "") << what << " reduce_scatter padding";
         EXPECT_EQ(padded(flat_buf, n * kWorld), "") << what << " reduce_scatter input padding";
@@ -298,8 +297,7 @@ TEST_F(Nccl, InPlaceRankBlocksOfAnOffsetFlatView) {
     at::Tensor flat = buf.narrow(0, pad, n * kWorld);
     flat.narrow(0, c->rank() * n, n).copy_(make_input(dtype, n));
     c->all_gather(flat, flat.narrow(0, c->rank() * n, n))->wait();
-    EXPECT_EQ(mismatch(flat, [&](int64_t j) { return value(static_cast<int>(j / n), j % n); }),
-              "")
+    EXPECT_EQ(mismatch(flat, [&](int64_t j) { return value(static_cast<int>(j / n), j % n); }), "")
         << c10::toString(dtype);
     flat.copy_(make_input(dtype, n * kWorld));
     c->reduce_scatter(flat.narrow(0, c->rank() * n, n), flat, ReduceOp::kSum)->wait();

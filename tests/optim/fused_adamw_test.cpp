@@ -32,8 +32,8 @@ Params make_params(at::ScalarType dtype) {
   Params out;
   // 300000 elements: several parallel_for tasks. The transposed matrix is a non-contiguous
   // leaf (the fallback path). Empty: nothing to do, still a step.
-  out.decayed = {at::randn({300000}, dtype), at::randn({7, 5}, dtype),
-                 at::randn({6, 4}, dtype).t(), at::randn({0}, dtype)};
+  out.decayed = {at::randn({300000}, dtype), at::randn({7, 5}, dtype), at::randn({6, 4}, dtype).t(),
+                 at::randn({0}, dtype)};
   out.exempt = {at::randn({33}, dtype), at::randn({8}, dtype)};
   for (auto* group : {&out.decayed, &out.exempt}) {
     for (auto& p : *group) p.requires_grad_(true);
@@ -105,13 +105,14 @@ TEST_P(FusedAdamWTest, MatchesAdamW) {
             3);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DtypesAndAmsgrad, FusedAdamWTest,
-    ::testing::Combine(::testing::Values(at::kFloat, at::kDouble), ::testing::Bool()),
-    [](const auto& info) {
-      return std::string(std::get<0>(info.param) == at::kFloat ? "float" : "double") +
-             (std::get<1>(info.param) ? "_amsgrad" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(DtypesAndAmsgrad, FusedAdamWTest,
+                         ::testing::Combine(::testing::Values(at::kFloat, at::kDouble),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == at::kFloat ? "float"
+                                                                                    : "double") +
+                                  (std::get<1>(info.param) ? "_amsgrad" : "");
+                         });
 
 TEST(FusedAdamW, RefusesSparseGradients) {
   at::Tensor p = at::zeros({4, 2}).requires_grad_(true);

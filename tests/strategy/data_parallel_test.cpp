@@ -268,8 +268,7 @@ struct ChainRank {
   // backward reaches the input (the end of backward).
   void step(const std::vector<int>& use_order, int rank) {
     input_reached = false;
-    at::Tensor x =
-        (at::arange(8, at::kFloat).view({2, 4}) * 0.1 * (rank + 1)).requires_grad_(true);
+    at::Tensor x = (at::arange(8, at::kFloat).view({2, 4}) * 0.1 * (rank + 1)).requires_grad_(true);
     x.register_hook([this](const at::Tensor&) { input_reached = true; });
     at::Tensor loss = ddp.forward([&] { return chain->forward(x, use_order).sum(); });
     ddp.backward(loss);

@@ -133,7 +133,8 @@ TEST_P(FsdpWeightSharing, UnitRunTwicePerForwardMatchesSingleDevice) {
   if (sc.world > 1 && sc.sharding == ShardingStrategy::kFullShard) {
     size_t gathers = 0;
     for (const auto& e : logs[0]) gathers += e.rfind("all_gather:shared", 0) == 0;
-    EXPECT_EQ(gathers, sc.keep_between_calls ? 2u : 3u) << fmt::format("{}", fmt::join(logs[0], ", "));
+    EXPECT_EQ(gathers, sc.keep_between_calls ? 2u : 3u)
+        << fmt::format("{}", fmt::join(logs[0], ", "));
   }
 }
 
@@ -169,9 +170,7 @@ struct FailureCase {
 // Identity forward; backward throws. Inserted between two blocks on the failing rank, so the
 // failure comes in the middle of backward, after some gradients were reduced.
 struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) {
-    return x.clone();
-  }
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) { return x.clone(); }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
                                                  const torch::autograd::variable_list&) {
     throw std::runtime_error("injected failure in backward");
@@ -299,17 +298,15 @@ TEST_P(StepFailures, EveryRankDropsTheStepAndTrainingGoesOn) {
             DTRAIN_CHECK(s == kFailStep && !fails, "rank {} step {}: unexpected {}", r, s,
                          e.what());
             const std::string what = e.what();
-            const char* cause = fc.where == Where::kBackwardBeforeAnyHook
-                                    ? "does not require grad"
-                                    : "injected";
+            const char* cause =
+                fc.where == Where::kBackwardBeforeAnyHook ? "does not require grad" : "injected";
             DTRAIN_CHECK(what.find("failed on rank 1: ") != std::string::npos &&
                              what.find(cause) != std::string::npos,
                          "rank {}: {}", r, what);
           } catch (const Error&) {
             throw;  // a dtrain error other than StepError: the strategy did not recover
           } catch (const std::exception& e) {
-            DTRAIN_CHECK(s == kFailStep && fails, "rank {} step {}: unexpected {}", r, s,
-                         e.what());
+            DTRAIN_CHECK(s == kFailStep && fails, "rank {} step {}: unexpected {}", r, s, e.what());
           }
           // Reset: no unit left gathered, no gradient buffer left behind.
           DTRAIN_CHECK(s != kFailStep || strategy->model_state_bytes() == bytes_before,
@@ -402,9 +399,9 @@ TEST(StepFailuresUnrecoverable, HookThrowingWhileIssuingFailsEveryRankWithinTheT
             ddp.forward([&] { return at::mse_loss(mlp.forward(x), y); });
             DTRAIN_CHECK(false, "rank 1: a broken strategy ran a step");
           } catch (const CommError& again) {
-            DTRAIN_CHECK(std::string(again.what()).find("injected failure in a hook") !=
-                             std::string::npos,
-                         "{}", again.what());
+            DTRAIN_CHECK(
+                std::string(again.what()).find("injected failure in a hook") != std::string::npos,
+                "{}", again.what());
           }
         }
       },
@@ -509,8 +506,7 @@ TEST_P(UnevenData, RankThatExitsWithoutFinishFailsThePeersClearly) {
       },
       short_timeout());
   EXPECT_LT(Clock::now() - started, 2 * kTimeout + std::chrono::seconds(2));
-  EXPECT_NE(error.find("did not meet at the start of step 1"), std::string::npos)
-      << error;
+  EXPECT_NE(error.find("did not meet at the start of step 1"), std::string::npos) << error;
   EXPECT_NE(error.find("finish()"), std::string::npos) << error;
 }
 

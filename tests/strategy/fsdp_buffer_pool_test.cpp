@@ -70,9 +70,9 @@ TEST(FsdpBufferPool, AReleasedUnitsMemoryRefillsTheNextUnitOfItsSize) {
   EXPECT_EQ(b.full().data_ptr(), a_memory);
   EXPECT_EQ(pool.free_bytes(), 0u);
   EXPECT_EQ(pool.reused(), 1);
-  b.full().fill_(3.0f);  // what a gather writes
+  b.full().fill_(3.0f);                                         // what a gather writes
   EXPECT_TRUE(at::equal(b_params[0], at::full({3, 5}, 3.0f)));  // b's parameters are views
-  a.refill();  // nothing free: fresh memory
+  a.refill();                                                   // nothing free: fresh memory
   EXPECT_FALSE(a.released());
   EXPECT_NE(a.full().data_ptr(), a_memory);
 }

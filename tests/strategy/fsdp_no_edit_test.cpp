@@ -154,8 +154,7 @@ TEST_P(FsdpSequential, StockEncoderLayersAreUnitsAndMatchSingleDevice) {
     o.forward_prefetch = c.forward_prefetch;
     o.wrap_policy = wrap_modules_named("TransformerEncoderLayer");
     {
-      FullyShardedDataParallel fsdp(m.ptr(), std::shared_ptr<Communicator>(&comm, [](auto*) {}),
-                                    o);
+      FullyShardedDataParallel fsdp(m.ptr(), std::shared_ptr<Communicator>(&comm, [](auto*) {}), o);
       // The Sequential looks unchanged: same parameter names, its entries the stock layers.
       std::vector<std::string> now;
       for (const auto& item : m->named_parameters()) now.push_back(item.key());
@@ -190,8 +189,10 @@ TEST_P(FsdpSequential, StockEncoderLayersAreUnitsAndMatchSingleDevice) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, FsdpSequential,
-    ::testing::Values(SequentialCase{"full_shard_world2"}, SequentialCase{"full_shard_world3", ShardingStrategy::kFullShard, false, 3},
-                      SequentialCase{"full_shard_forward_prefetch", ShardingStrategy::kFullShard, true},
+    ::testing::Values(SequentialCase{"full_shard_world2"},
+                      SequentialCase{"full_shard_world3", ShardingStrategy::kFullShard, false, 3},
+                      SequentialCase{"full_shard_forward_prefetch", ShardingStrategy::kFullShard,
+                                     true},
                       SequentialCase{"shard_grad_op", ShardingStrategy::kShardGradOp},
                       SequentialCase{"no_shard", ShardingStrategy::kNoShard}),
     [](const auto& info) { return info.param.name; });
@@ -265,11 +266,14 @@ void expect_unit_with_two_outputs_matches_single(bool as_struct) {
   at::manual_seed(11);
   TupleModel ref(as_struct);
   train_single_device(ref, d, world);
-  auto models = models_per_rank<TupleModel>(world, [](int) { return 11; }, as_struct);
+  auto models = models_per_rank<TupleModel>(
+      world, [](int) { return 11; }, as_struct);
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
     FsdpOptions o;
-    o.wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "unit"; };
+    o.wrap_policy = [](const std::string& name, const torch::nn::Module&) {
+      return name == "unit";
+    };
     o.backward_prefetch = BackwardPrefetch::kNone;  // the unit's gather comes from its own hook
     FullyShardedDataParallel fsdp(models[r].ptr(),
                                   std::shared_ptr<Communicator>(&comm, [](auto*) {}), o);
@@ -330,15 +334,17 @@ struct TiedTableImpl : torch::nn::Module {
     head = register_module("head", torch::nn::Linear(kDim, kVocab));
   }
   at::Tensor forward(const at::Tensor& idx) {
-    at::Tensor x = unit_call(*table, [&] { return Lookup::apply(table->weight, idx); }, c.first);
+    at::Tensor x = unit_call(
+        *table, [&] { return Lookup::apply(table->weight, idx); }, c.first);
     at::Tensor h = at::tanh(unit_call(*fc, [&] { return fc->forward(x); }));
     if (c.second == SecondUse::kLookup) {
       at::Tensor other = (idx * 7 + 3).remainder(kVocab);
-      at::Tensor g = unit_call(*table, [&] { return Lookup::apply(table->weight, other); },
-                               c.second_reads);
+      at::Tensor g = unit_call(
+          *table, [&] { return Lookup::apply(table->weight, other); }, c.second_reads);
       return head->forward(h * g);
     }
-    at::Tensor tied = unit_call(*table, [&] { return at::linear(h, table->weight); }, c.second_reads);
+    at::Tensor tied = unit_call(
+        *table, [&] { return at::linear(h, table->weight); }, c.second_reads);
     return head->forward(h) + tied;
   }
   TiedCase c;
@@ -370,13 +376,13 @@ TEST_P(FsdpParamsInBackward, UnreadTableStaysShardedAndTrainingMatchesSingleDevi
   at::manual_seed(12);
   TiedTable ref(c);
   train_single_device(ref, d, world);
-  auto models = models_per_rank<TiedTable>(world, [](int) { return 12; }, c);
+  auto models = models_per_rank<TiedTable>(
+      world, [](int) { return 12; }, c);
   const bool read_in_backward = c.second_reads == ParamsInBackward::kRead;
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
-    FullyShardedDataParallel fsdp(models[r].ptr(),
-                                  std::shared_ptr<Communicator>(&comm, [](auto*) {}),
-                                  tied_options(c));
+    FullyShardedDataParallel fsdp(
+        models[r].ptr(), std::shared_ptr<Communicator>(&comm, [](auto*) {}), tied_options(c));
     size_t released_after_forward = 0;
     train(fsdp, d, r * kLocalBatch, kLocalBatch, [&](const at::Tensor& x, const at::Tensor& y) {
       at::Tensor loss = lm_loss(models[r]->forward(x), y);
@@ -388,7 +394,8 @@ TEST_P(FsdpParamsInBackward, UnreadTableStaysShardedAndTrainingMatchesSingleDevi
                          std::count(log.begin(), log.end(), "all_gather:table (prefetch)");
     const long in_forward = c.keep_between_calls ? 1 : 2;
     DTRAIN_CHECK(gathers == in_forward + (read_in_backward ? 1 : 0),
-                 "table gathered {} times in a step: {}", gathers, fmt::format("{}", fmt::join(log, ", ")));
+                 "table gathered {} times in a step: {}", gathers,
+                 fmt::format("{}", fmt::join(log, ", ")));
     if (!read_in_backward) {
       DTRAIN_CHECK(released_after_forward == static_cast<size_t>(kSteps),
                    "the table was gathered at the end of {} of {} forwards",
@@ -425,9 +432,8 @@ TEST(FsdpParamsInBackwardErrors, ASavedParameterOfAnUnreadCallIsAnError) {
   std::vector<std::string> errors(world);
   run_ranks(world, [&](Communicator& comm) {
     const int r = comm.rank();
-    FullyShardedDataParallel fsdp(models[r].ptr(),
-                                  std::shared_ptr<Communicator>(&comm, [](auto*) {}),
-                                  tied_options(c));
+    FullyShardedDataParallel fsdp(
+        models[r].ptr(), std::shared_ptr<Communicator>(&comm, [](auto*) {}), tied_options(c));
     at::Tensor x = d.x[0].narrow(0, r * kLocalBatch, kLocalBatch);
     at::Tensor y = d.y[0].narrow(0, r * kLocalBatch, kLocalBatch);
     at::Tensor l = fsdp.forward([&] { return lm_loss(models[r]->forward(x), y); });
@@ -474,9 +480,8 @@ TEST(FsdpParamsInBackwardErrors, UnreadAfterReadInOneForwardIsRefused) {
   std::vector<TiedTable> models{TiedTable(c), TiedTable(c)};
   run_ranks(2, [&](Communicator& comm) {
     const int r = comm.rank();
-    FullyShardedDataParallel fsdp(models[r].ptr(),
-                                  std::shared_ptr<Communicator>(&comm, [](auto*) {}),
-                                  tied_options(c));
+    FullyShardedDataParallel fsdp(
+        models[r].ptr(), std::shared_ptr<Communicator>(&comm, [](auto*) {}), tied_options(c));
     try {
       fsdp.forward([&] { return models[r]->forward(at::zeros({1, kT}, at::kLong)).sum(); });
     } catch (const InvalidArgument& e) {
@@ -492,7 +497,8 @@ TEST(FsdpParamsInBackwardErrors, UnreadAfterReadInOneForwardIsRefused) {
 // unit_call passes any return type through unchanged outside FSDP.
 TEST(FsdpUnitCall, PlainCallOutsideFsdp) {
   torch::nn::Linear l(2, 2);
-  auto t = unit_call(*l, [&] { return std::make_tuple(at::ones({1}), 3, std::vector<at::Tensor>{}); });
+  auto t =
+      unit_call(*l, [&] { return std::make_tuple(at::ones({1}), 3, std::vector<at::Tensor>{}); });
   EXPECT_EQ(std::get<1>(t), 3);
   EXPECT_EQ(std::get<0>(t).item<float>(), 1.0f);
 }

@@ -136,9 +136,7 @@ FsdpCase hybrid_accumulation_case() {
 INSTANTIATE_TEST_SUITE_P(Hybrid, FsdpEquivalence,
                          ::testing::Values(std::make_tuple(4, hybrid_case()),
                                            std::make_tuple(4, hybrid_accumulation_case())),
-                         [](const auto& info) {
-                           return std::get<1>(info.param).name + "_world4";
-                         });
+                         [](const auto& info) { return std::get<1>(info.param).name + "_world4"; });
 
 FsdpCase bf16_case() {
   FsdpCase c;
@@ -237,9 +235,8 @@ TEST(FsdpPrefetch, PoliciesOrderCollectivesAsSpecified) {
 }
 
 size_t count_prefix(const std::vector<std::string>& log, const std::string& prefix) {
-  return static_cast<size_t>(std::count_if(log.begin(), log.end(), [&](const std::string& e) {
-    return e.rfind(prefix, 0) == 0;
-  }));
+  return static_cast<size_t>(std::count_if(
+      log.begin(), log.end(), [&](const std::string& e) { return e.rfind(prefix, 0) == 0; }));
 }
 
 // Under no_sync() a backward issues no gradient collective and holds each unit's unsharded
@@ -344,16 +341,15 @@ TEST(FsdpOverlap, ReplicaAllReducesAreIssuedDuringBackward) {
       FullyShardedDataParallel fsdp(modules[r],
                                     std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
       std::vector<std::string> during;
-      modules[r]->wpe->weight.register_hook([&](const at::Tensor&) {
-        during = fsdp.last_collective_log();
-      });
+      modules[r]->wpe->weight.register_hook(
+          [&](const at::Tensor&) { during = fsdp.last_collective_log(); });
       auto opt = make_opt(Opt::kSgd, fsdp.parameters());
       for (int step = 0; step < 2; ++step) {
         opt->zero_grad();
         at::Tensor x = data[step].x.narrow(0, r * kLocalBatch, kLocalBatch);
         at::Tensor y = data[step].y.narrow(0, r * kLocalBatch, kLocalBatch);
-        fsdp.backward(fsdp.forward(
-            [&] { return loss_of(Model::kTransformer, *modules[r], x, y, false); }));
+        fsdp.backward(
+            fsdp.forward([&] { return loss_of(Model::kTransformer, *modules[r], x, y, false); }));
         opt->step();
         const auto after = fsdp.last_collective_log();
         for (const auto& entry : setup.issued_by_then) {
@@ -397,7 +393,8 @@ TEST(FsdpMixedPrecision, BufferDtypeCastsFloatingBuffersForTraining) {
   const int world = 2;
   torch::manual_seed(1234);
   std::vector<Batch> data;
-  for (int s = 0; s < kSteps; ++s) data.push_back({at::randn({3 * world, 6}), at::randn({3 * world, 4})});
+  for (int s = 0; s < kSteps; ++s)
+    data.push_back({at::randn({3 * world, 6}), at::randn({3 * world, 4})});
   auto run = [&](Strategy& s, ScaledMlpImpl& m, int64_t row0, int64_t rows) {
     auto opt = make_opt(Opt::kSgd, s.parameters());
     for (int step = 0; step < kSteps; ++step) {
@@ -480,8 +477,9 @@ TEST(FsdpMixedPrecision, EmulatedBf16WarnsOnceOnRankZero) {
       o.mixed_precision.cpu_check.cpu = cpu;
       FullyShardedDataParallel fsdp(m.ptr(),
                                     std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
-      at::Tensor loss = fsdp.forward(
-          [&] { return m->forward(at::ones({2, 6}, at::kBFloat16)).to(at::kFloat).sum(); });
+      at::Tensor loss = fsdp.forward([&] {
+        return m->forward(at::ones({2, 6}, at::kBFloat16)).to(at::kFloat).sum();
+      });
       fsdp.backward(loss);
       size_t n = 0;
       for (const auto& msg : warnings.messages()) {

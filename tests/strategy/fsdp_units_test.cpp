@@ -357,8 +357,7 @@ TEST(FsdpUnit, TransitionsCheckWhereTheyStartFrom) {
 TEST(FsdpUnit, AGradientCycleEndsInTheShardsGradient) {
   UnitComms comms;
   Recorder rec;
-  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms,
-         &rec);
+  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms, &rec);
   for (int step = 1; step <= 2; ++step) {
     u.arm();
     EXPECT_EQ(u.pending(), 3);
@@ -397,8 +396,7 @@ TEST(FsdpUnit, AGradientCycleEndsInTheShardsGradient) {
 TEST(FsdpUnit, HeldGradientsJoinTheNextReduction) {
   UnitComms comms;
   Recorder rec;
-  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms,
-         &rec);
+  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms, &rec);
   auto give_grads = [&](double v) {
     u.flat().param(0).mutable_grad() = at::full({2, 3}, v);
     u.flat().param(1).mutable_grad() = at::full({4}, v);
@@ -409,7 +407,8 @@ TEST(FsdpUnit, HeldGradientsJoinTheNextReduction) {
   give_grads(1.0);
   u.hold();
   EXPECT_EQ(u.grad_state(), Unit::GradState::kHeld);
-  EXPECT_EQ(u.param_state(), Unit::ParamState::kSharded) << "held units are freed like reduced ones";
+  EXPECT_EQ(u.param_state(), Unit::ParamState::kSharded)
+      << "held units are freed like reduced ones";
   EXPECT_FALSE(u.flat().param(0).grad().defined());
   ASSERT_TRUE(u.held_gradient().defined());
   EXPECT_EQ(u.held_gradient().scalar_type(), at::kFloat);

@@ -32,9 +32,9 @@ void expect_values(const at::Tensor& got, const std::function<double(int64_t)>& 
 }
 
 const std::vector<c10::ScalarType>& all_dtypes() {
-  static const std::vector<c10::ScalarType> dtypes = {
-      at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kByte,
-      at::kChar,  at::kShort,  at::kInt,  at::kLong};
+  static const std::vector<c10::ScalarType> dtypes = {at::kFloat,    at::kDouble, at::kHalf,
+                                                      at::kBFloat16, at::kByte,   at::kChar,
+                                                      at::kShort,    at::kInt,    at::kLong};
   return dtypes;
 }
 
@@ -56,8 +56,8 @@ std::string label(const char* op, c10::ScalarType dtype, int64_t n, int rank) {
 
 void run_collective_matrix(Communicator& c, const std::string& transport,
                            const std::vector<int64_t>& sizes, const std::string& tag) {
-  DTRAIN_CHECK(c.transport_name() == transport, "transport is {}, expected {}",
-               c.transport_name(), transport);
+  DTRAIN_CHECK(c.transport_name() == transport, "transport is {}, expected {}", c.transport_name(),
+               transport);
   const int world = c.world_size();
   const int root = world - 1;
   for (auto dtype : all_dtypes()) {
@@ -82,7 +82,8 @@ void run_collective_matrix(Communicator& c, const std::string& transport,
       at::Tensor b = c.rank() == root ? make_input(dtype, n, root) : at::zeros({n}, dtype);
       c.broadcast(b, root)->wait();
       expect_values(
-          b, [&](int64_t i) { return value(root, i); }, label("broadcast", dtype, n, c.rank()) + tag);
+          b, [&](int64_t i) { return value(root, i); },
+          label("broadcast", dtype, n, c.rank()) + tag);
       at::Tensor in = make_input(dtype, n, c.rank());
       at::Tensor out = at::full({n * world}, -1, dtype);
       c.all_gather(out, in)->wait();

@@ -7,8 +7,8 @@
 // DTRAIN_TEST_PAUSE_AT=<point> the save of step 2 creates out_path/../paused at that point
 // and then waits to be killed), "sharded_checkpoint_writer" (the same through
 // save_checkpoint under FSDP on every rank; DTRAIN_TEST_PAUSE_RANK picks the rank that
-// stops, creating out_path/../paused.<rank>), "listen" (hold TCP port <timeout_ms> on every interface,
-// accepting and never answering, for 30 s: a program other than the job's store on the
+// stops, creating out_path/../paused.<rank>), "listen" (hold TCP port <timeout_ms> on every
+// interface, accepting and never answering, for 30 s: a program other than the job's store on the
 // master's port), "desync_size" (rank r all-reduces 1024 >> r floats: ranks disagree),
 // "grad_scaler_*" and "autocast_*" (mixed precision, amp_scenarios.h), "fsdp_reshard_all" /
 // "fsdp_reshard_host" (FSDP training with ReshardAfterForward kAll / kHost, hosts of
@@ -148,8 +148,8 @@ int main(int argc, char** argv) {
       fo.wrap_policy = dtrain::wrap_modules_named("BlockImpl");
       if (scenario == "fsdp_reshard_host" && store) {
         fo.reshard_after_forward = dtrain::ReshardAfterForward::kHost;
-        fo.host_group = dtrain::make_host_group(store, info.rank, info.world_size,
-                                                info.local_world_size, info.communicator_options(o));
+        fo.host_group = dtrain::make_host_group(
+            store, info.rank, info.world_size, info.local_world_size, info.communicator_options(o));
       }
       dtrain::FullyShardedDataParallel fsdp(module, comm, fo);
       train(c, fsdp, *module, data, info.rank * kLocalBatch, kLocalBatch, &fsdp);

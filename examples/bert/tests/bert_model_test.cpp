@@ -108,9 +108,9 @@ TEST(BertModel, BertInitialization) {
   Bert model(c);
   auto std_of = [](const at::Tensor& t) { return t.std().item<double>(); };
   auto params = model->named_parameters();
-  for (const char* name : {"tok_embed.weight", "pos_embed.weight",
-                           "layers.0.self_attn.in_proj_weight", "layers.1.linear1.weight",
-                           "layers.1.self_attn.out_proj.weight"}) {
+  for (const char* name :
+       {"tok_embed.weight", "pos_embed.weight", "layers.0.self_attn.in_proj_weight",
+        "layers.1.linear1.weight", "layers.1.self_attn.out_proj.weight"}) {
     EXPECT_NEAR(std_of(params[name]), 0.02, 0.003) << name;
   }
   for (const char* name : {"layers.0.self_attn.in_proj_bias", "layers.0.linear2.bias",

@@ -83,7 +83,8 @@ TEST(MlmMasking, DeterministicPerSeedAndSample) {
   EXPECT_TRUE(at::equal(a.inputs, again.inputs));
   EXPECT_TRUE(at::equal(a.targets, again.targets));
 
-  const gpt2::Batch reversed = mask_tokens(tokens.flip(0), {105, 104, 103, 102, 101, 100}, options());
+  const gpt2::Batch reversed =
+      mask_tokens(tokens.flip(0), {105, 104, 103, 102, 101, 100}, options());
   EXPECT_TRUE(at::equal(reversed.inputs.flip(0), a.inputs));
   EXPECT_TRUE(at::equal(reversed.targets.flip(0), a.targets));
   const gpt2::Batch one = mask_tokens(tokens.narrow(0, 3, 1), {103}, options());
@@ -141,8 +142,10 @@ TEST(MlmBatch, MasksTheSamplersSequencesAnewEachEpoch) {
   const gpt2::Batch plain = gpt2::load_batch(tokens, s, 2);
   const gpt2::Batch epoch0 = load_mlm_batch(tokens, s, 2, options());
   const at::Tensor predicted = epoch0.targets.ne(kIgnoreTarget);
-  EXPECT_TRUE(at::equal(epoch0.inputs.masked_select(~predicted), plain.inputs.masked_select(~predicted)));
-  EXPECT_TRUE(at::equal(epoch0.targets.masked_select(predicted), plain.inputs.masked_select(predicted)));
+  EXPECT_TRUE(
+      at::equal(epoch0.inputs.masked_select(~predicted), plain.inputs.masked_select(~predicted)));
+  EXPECT_TRUE(
+      at::equal(epoch0.targets.masked_select(predicted), plain.inputs.masked_select(predicted)));
   s.set_epoch(1);
   const gpt2::Batch epoch1 = load_mlm_batch(tokens, s, 2, options());
   EXPECT_FALSE(at::equal(epoch1.targets, epoch0.targets));

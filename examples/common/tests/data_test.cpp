@@ -15,8 +15,8 @@
 #include <ATen/ATen.h>
 #include <dtrain/errors.h>
 
-#include "dtrain/crc32c.h"
 #include "data.h"
+#include "dtrain/crc32c.h"
 
 namespace gpt2 {
 namespace {
@@ -227,8 +227,7 @@ void put_le(std::string& bytes, size_t offset, uint64_t value, int width) {
 // Recomputes both checksums, so that only the check a test aims at can fail.
 void reseal(std::string& bytes) {
   const size_t payload = bytes.size() - kTokenCacheHeaderBytes;
-  put_le(bytes, 32, dtrain::crc32c(0, bytes.data() + kTokenCacheHeaderBytes, payload),
-         4);
+  put_le(bytes, 32, dtrain::crc32c(0, bytes.data() + kTokenCacheHeaderBytes, payload), 4);
   put_le(bytes, 36, dtrain::crc32c(0, bytes.data(), 36), 4);
 }
 

@@ -61,16 +61,16 @@ TEST_P(FusedLmLoss, MatchesUnfusedLossAndGradients) {
   expect_close(got.weight, ref.weight, 1e-5, 1e-7, "weight gradient");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ChunksAndSeeds, FusedLmLoss,
-    ::testing::Combine(::testing::Values(int64_t{0}, int64_t{8}, int64_t{1}),  // 1, 5, 39 chunks
-                       ::testing::Values(1.0, 2.5),                           // seed != 1
-                       ::testing::Values(int64_t{24}, int64_t{48})),
-    [](const auto& info) {
-      return "chunk" + std::to_string(std::get<0>(info.param)) +
-             (std::get<1>(info.param) == 1.0 ? "" : "_scaled") +
-             (std::get<2>(info.param) == 48 ? "_weight_grad_in_backward" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(ChunksAndSeeds, FusedLmLoss,
+                         ::testing::Combine(::testing::Values(int64_t{0}, int64_t{8},
+                                                              int64_t{1}),  // 1, 5, 39 chunks
+                                            ::testing::Values(1.0, 2.5),    // seed != 1
+                                            ::testing::Values(int64_t{24}, int64_t{48})),
+                         [](const auto& info) {
+                           return "chunk" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) == 1.0 ? "" : "_scaled") +
+                                  (std::get<2>(info.param) == 48 ? "_weight_grad_in_backward" : "");
+                         });
 
 // A weight that needs no gradient (frozen embedding): only hidden's, which matches.
 TEST(FusedLmLossFrozenWeight, OnlyTheHiddenGradient) {
@@ -120,7 +120,8 @@ TEST_P(FusedLmLossUnderflow, ExactLossWhenTargetProbabilityUnderflows) {
   expect_close(got.weight, ref.weight, 1e-5, 1e-7, "weight gradient");
 }
 
-INSTANTIATE_TEST_SUITE_P(HiddenSizes, FusedLmLossUnderflow, ::testing::Values(int64_t{1}, int64_t{3}),
+INSTANTIATE_TEST_SUITE_P(HiddenSizes, FusedLmLossUnderflow,
+                         ::testing::Values(int64_t{1}, int64_t{3}),
                          [](const auto& info) { return "D" + std::to_string(info.param); });
 
 // 18 rows; D = 32 keeps the logits' gradient for backward, D = 8 forms the weight's in forward.

@@ -257,9 +257,9 @@ TEST_F(TrainerTest, DdpBf16HookStaysClose) {
 // ones stay close in loss (the low-rank gradient has a smaller norm, so that is not compared).
 TEST_F(TrainerTest, DdpPowerSgdHookStaysClose) {
   RunResult psgd = run_trainer(
-      "ddp_powersgd", with(common_args(), {"--strategy=ddp", "--nproc=2", "--batch=2",
-                                           "--comm_hook=powersgd", "--powersgd_rank=2",
-                                           "--powersgd_start_iter=2"}));
+      "ddp_powersgd",
+      with(common_args(), {"--strategy=ddp", "--nproc=2", "--batch=2", "--comm_hook=powersgd",
+                           "--powersgd_rank=2", "--powersgd_start_iter=2"}));
   ASSERT_EQ(psgd.exit_code, 0) << psgd.output;
   ASSERT_EQ(psgd.steps.size(), single_->steps.size()) << psgd.output;
   EXPECT_NE(psgd.output.find("comm hook powersgd, buckets 25 MiB (rank 2, from step 2)"),
@@ -274,8 +274,8 @@ TEST_F(TrainerTest, DdpPowerSgdHookStaysClose) {
 // int8 gradients (DDP) stay close to fp32 training.
 TEST_F(TrainerTest, QuantizedGradientsStayClose) {
   RunResult grads = run_trainer(
-      "ddp_int8", with(common_args(), {"--strategy=ddp", "--nproc=2", "--batch=2",
-                                       "--quantize_grads=int8"}));
+      "ddp_int8",
+      with(common_args(), {"--strategy=ddp", "--nproc=2", "--batch=2", "--quantize_grads=int8"}));
   EXPECT_NE(grads.output.find("gradients int8 on the wire"), std::string::npos) << grads.output;
   expect_same_curve(*single_, grads, 2e-2);
 }
@@ -283,8 +283,8 @@ TEST_F(TrainerTest, QuantizedGradientsStayClose) {
 // int8 gradient reduce-scatters (FSDP) stay close to fp32 training, as DDP's do.
 TEST_F(TrainerTest, FsdpQuantizedGradientsStayClose) {
   RunResult grads = run_trainer(
-      "fsdp_int8_grads", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
-                                              "--quantize_grads=int8"}));
+      "fsdp_int8_grads",
+      with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--quantize_grads=int8"}));
   EXPECT_NE(grads.output.find("gradients int8 on the wire"), std::string::npos) << grads.output;
   expect_same_curve(*single_, grads, 2e-2);
 }
@@ -295,11 +295,10 @@ TEST_F(TrainerTest, FsdpQuantizedGradientsStayClose) {
 // the gradient norm 2.6% off single-device fp32 at step 2 (the largest), the loss within 2%.
 TEST_F(TrainerTest, QuantizedParametersStayClose) {
   RunResult params = run_trainer(
-      "fsdp_int8", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
-                                        "--quantize_params=int8"}));
+      "fsdp_int8",
+      with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--quantize_params=int8"}));
   ASSERT_EQ(params.exit_code, 0) << params.output;
-  EXPECT_NE(params.output.find("parameters int8 on the wire"), std::string::npos)
-      << params.output;
+  EXPECT_NE(params.output.find("parameters int8 on the wire"), std::string::npos) << params.output;
   ASSERT_EQ(params.steps.size(), single_->steps.size()) << params.output;
   for (size_t i = 0; i < params.steps.size(); ++i) {
     const double loss = single_->steps[i].at("loss"), norm = single_->steps[i].at("grad_norm");
@@ -329,8 +328,7 @@ TEST_F(TrainerTest, FsdpMatchesSingleOnTheGlobalBatch) {
 
 // The default optimizer is dtrain::FusedAdamW; LibTorch's AdamW gives the same training.
 TEST_F(TrainerTest, LibTorchAdamWMatchesTheFusedDefault) {
-  EXPECT_NE(single_->output.find("optimizer: AdamW (fused)"), std::string::npos)
-      << single_->output;
+  EXPECT_NE(single_->output.find("optimizer: AdamW (fused)"), std::string::npos) << single_->output;
   RunResult plain =
       run_trainer("single_adamw",
                   with(common_args(), {"--strategy=single", "--batch=4", "--fused_adamw=false"}));
@@ -348,13 +346,13 @@ TEST_F(TrainerTest, FsdpGradOpMatchesSingle) {
 // Recomputing every block in backward changes no number beyond fp32 rounding.
 TEST_F(TrainerTest, ActivationCheckpointingMatchesSingle) {
   RunResult single = run_trainer(
-      "single_ckpt", with(common_args(), {"--strategy=single", "--batch=4",
-                                          "--activation_checkpointing"}));
+      "single_ckpt",
+      with(common_args(), {"--strategy=single", "--batch=4", "--activation_checkpointing"}));
   EXPECT_NE(single.output.find("activation checkpointing"), std::string::npos) << single.output;
   expect_same_curve(*single_, single, kFp32Tolerance);
-  RunResult fsdp = run_trainer(
-      "fsdp_ckpt", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
-                                        "--activation_checkpointing"}));
+  RunResult fsdp =
+      run_trainer("fsdp_ckpt", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
+                                                    "--activation_checkpointing"}));
   expect_same_curve(*single_, fsdp, kFp32Tolerance);
 }
 
@@ -381,10 +379,10 @@ size_t count_of(const std::string& text, const std::string& what) {
 TEST(TrainerBf16Cpu, EmulatedBf16WarnsOncePerJobAndStillTrains) {
   ScopedEnv hide("DTRAIN_HIDE_NATIVE_BF16", "1");
   for (const std::string strategy : {"fsdp", "ddp"}) {
-    const RunResult r = run_trainer(
-        "bf16_emulated_" + strategy,
-        with(common_args(), {"--strategy=" + strategy, "--nproc=2", "--batch=2",
-                             "--precision=bf16", "--steps=2"}));
+    const RunResult r =
+        run_trainer("bf16_emulated_" + strategy,
+                    with(common_args(), {"--strategy=" + strategy, "--nproc=2", "--batch=2",
+                                         "--precision=bf16", "--steps=2"}));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(count_of(r.output, "bf16 is emulated on this CPU"), 1u) << strategy << r.output;
     EXPECT_NE(r.output.find("warning: --precision bf16: bf16 is emulated on this CPU"),
@@ -409,8 +407,8 @@ TEST(TrainerBf16Cpu, HeaderAndMetricsReportTheProbe) {
   ScopedEnv hide("DTRAIN_HIDE_NATIVE_BF16", std::nullopt);
   const bool native = dtrain::CpuFeatures::detect().native_bf16();
   const RunResult r = run_trainer(
-      "bf16_probe", with(common_args(), {"--strategy=single", "--batch=2", "--steps=1",
-                                         "--precision=bf16"}));
+      "bf16_probe",
+      with(common_args(), {"--strategy=single", "--batch=2", "--steps=1", "--precision=bf16"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find(native ? "cpu_bf16_native true (" : "cpu_bf16_native false"),
             std::string::npos)
@@ -429,8 +427,7 @@ TEST(TrainerBf16Cpu, BadHookValueIsAnError) {
   const RunResult r = run_trainer(
       "bf16_bad_hook", with(common_args(), {"--strategy=single", "--batch=2", "--steps=1"}));
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("DTRAIN_HIDE_NATIVE_BF16 must be 0 or 1, got 'true'"),
-            std::string::npos)
+  EXPECT_NE(r.output.find("DTRAIN_HIDE_NATIVE_BF16 must be 0 or 1, got 'true'"), std::string::npos)
       << r.output;
 }
 
@@ -578,9 +575,9 @@ void expect_exact_resume(const std::string& name, const std::vector<std::string>
 TEST(TrainerEvalOnly, EvaluatesCheckpointsAndExportsWithoutTraining) {
   const std::string dir = temp_path("eval_ckpt"), weights = temp_path("eval_weights.safetensors");
   std::filesystem::remove_all(dir);
-  RunResult trained = run_trainer(
-      "eval_train", with(common_args(), {"--strategy=single", "--batch=4", "--ckpt_dir=" + dir,
-                                         "--export=" + weights}));
+  RunResult trained =
+      run_trainer("eval_train", with(common_args(), {"--strategy=single", "--batch=4",
+                                                     "--ckpt_dir=" + dir, "--export=" + weights}));
   ASSERT_EQ(trained.exit_code, 0) << trained.output;
   ASSERT_FALSE(trained.epochs.empty());
   const double want = trained.epochs.back().at("val_loss");
@@ -647,18 +644,19 @@ TEST(TrainerCheckpoint, AsyncFinishesAfterTheLastWrite) {
   const std::string dir = temp_path("ck_async_end");
   std::filesystem::remove_all(dir);
   RunResult r = run_trainer(
-      "ck_async_end",
-      with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--steps=4",
-                           "--ckpt_every=1", "--ckpt_async", "--ckpt_keep=5", "--ckpt_dir=" + dir}));
+      "ck_async_end", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--steps=4",
+                                           "--ckpt_every=1", "--ckpt_async", "--ckpt_keep=5",
+                                           "--ckpt_dir=" + dir}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::vector<std::string> names;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     names.push_back(e.path().filename().string());
   }
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"step_000000001", "step_000000002",
-                                             "step_000000003", "step_000000004"}));
-  const size_t last = r.output.find("checkpoint: " + dir + "/step_000000004 written in the background");
+  EXPECT_EQ(names, (std::vector<std::string>{"step_000000001", "step_000000002", "step_000000003",
+                                             "step_000000004"}));
+  const size_t last =
+      r.output.find("checkpoint: " + dir + "/step_000000004 written in the background");
   ASSERT_NE(last, std::string::npos) << r.output;
   const size_t done = r.output.find("done: 4 steps");
   ASSERT_NE(done, std::string::npos) << r.output;
@@ -691,9 +689,9 @@ TEST(TrainerCheckpoint, GlobalBatchResumesAtAnotherWorldSize) {
 TEST(TrainerCheckpoint, ResumeAtAnotherGlobalBatchIsRefused) {
   const std::string dir = temp_path("ck_other_global");
   std::filesystem::remove_all(dir);
-  RunResult first = run_trainer("other_global_first",
-                                with(common_args(), {"--strategy=single", "--batch=2",
-                                                     "--steps=2", "--ckpt_dir=" + dir}));
+  RunResult first = run_trainer(
+      "other_global_first",
+      with(common_args(), {"--strategy=single", "--batch=2", "--steps=2", "--ckpt_dir=" + dir}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
   RunResult refused = run_trainer(
       "other_global_refused", with(common_args(), {"--strategy=single", "--batch=4", "--steps=4",
@@ -707,10 +705,10 @@ TEST(TrainerCheckpoint, ResumeAtAnotherGlobalBatchIsRefused) {
   EXPECT_NE(refused.output.find("Keep the global batch: --global_batch 2"), std::string::npos)
       << refused.output;
   // The way out named by the message resumes.
-  RunResult kept = run_trainer(
-      "other_global_kept", with(common_args(), {"--strategy=single", "--batch=1", "--steps=4",
-                                                "--global_batch=2", "--ckpt_dir=" + dir,
-                                                "--resume"}));
+  RunResult kept =
+      run_trainer("other_global_kept",
+                  with(common_args(), {"--strategy=single", "--batch=1", "--steps=4",
+                                       "--global_batch=2", "--ckpt_dir=" + dir, "--resume"}));
   EXPECT_EQ(kept.exit_code, 0) << kept.output;
   EXPECT_NE(kept.output.find("resume: step 2"), std::string::npos) << kept.output;
   EXPECT_EQ(kept.steps.size(), 2u) << kept.output;
@@ -819,15 +817,22 @@ TEST(TrainerErrors, BackendFlagIsChecked) {
 // Compression flags that do not apply are refused with the reason.
 TEST(TrainerErrors, CompressionFlagsAreChecked) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--strategy=fsdp", "--comm_hook=powersgd"}, "--comm_hook ps and powersgd are DataParallel hooks"},
-      {{"--strategy=ddp", "--comm_hook=powersgd", "--powersgd_rank=0"}, "--powersgd_rank must be >= 1"},
+      {{"--strategy=fsdp", "--comm_hook=powersgd"},
+       "--comm_hook ps and powersgd are DataParallel hooks"},
+      {{"--strategy=ddp", "--comm_hook=powersgd", "--powersgd_rank=0"},
+       "--powersgd_rank must be >= 1"},
       {{"--strategy=ddp", "--powersgd_start_iter=1"}, "--powersgd_start_iter must be >= 2"},
       {{"--strategy=ddp", "--quantize_grads=int4"}, "--quantize_grads must be int8, bf16 or none"},
-      {{"--strategy=single", "--quantize_grads=int8"}, "--quantize_grads applies to --strategy ddp or fsdp"},
-      {{"--strategy=ddp", "--reshard_after_forward=host"}, "--reshard_after_forward applies to --strategy fsdp"},
-      {{"--strategy=fsdp", "--reshard_after_forward=rack"}, "--reshard_after_forward must be all, host or none"},
-      {{"--strategy=ddp", "--quantize_grads=bf16", "--comm_hook=fp16"}, "leave --comm_hook at allreduce"},
-      {{"--strategy=ddp", "--quantize_params=int8"}, "--quantize_params applies to --strategy fsdp"},
+      {{"--strategy=single", "--quantize_grads=int8"},
+       "--quantize_grads applies to --strategy ddp or fsdp"},
+      {{"--strategy=ddp", "--reshard_after_forward=host"},
+       "--reshard_after_forward applies to --strategy fsdp"},
+      {{"--strategy=fsdp", "--reshard_after_forward=rack"},
+       "--reshard_after_forward must be all, host or none"},
+      {{"--strategy=ddp", "--quantize_grads=bf16", "--comm_hook=fp16"},
+       "leave --comm_hook at allreduce"},
+      {{"--strategy=ddp", "--quantize_params=int8"},
+       "--quantize_params applies to --strategy fsdp"},
   };
   for (const auto& [flags, message] : cases) {
     RunResult r = run_trainer("compression_refused", with(common_args(), flags));
@@ -849,8 +854,8 @@ TEST(TrainerErrors, BadLossScaleIsRefused) {
 // --global_batch must split evenly into --batch x ranks micro-batches, and sets
 // --grad_accum itself.
 TEST(TrainerErrors, GlobalBatchIsChecked) {
-  RunResult odd = run_trainer("global_odd", with(common_args(), {"--strategy=single",
-                                                                  "--batch=2", "--global_batch=5"}));
+  RunResult odd = run_trainer(
+      "global_odd", with(common_args(), {"--strategy=single", "--batch=2", "--global_batch=5"}));
   EXPECT_NE(odd.exit_code, 0);
   EXPECT_TRUE(odd.steps.empty()) << odd.output;
   EXPECT_NE(odd.output.find("--global_batch 5 is not a multiple of --batch 2 x 1 ranks"),
@@ -977,10 +982,9 @@ TEST_F(BertTrainerTest, FsdpMatchesSingleOnTheGlobalBatch) {
   ASSERT_FALSE(fsdp.steps.empty());
   EXPECT_LT(fsdp.steps.back().at("model_state_mib"),
             0.7 * single_->steps.back().at("model_state_mib"));
-  RunResult gpt =
-      run_trainer("gpt_fsdp_units",
-                  with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--steps=1",
-                                       "--loss=standard"}));
+  RunResult gpt = run_trainer("gpt_fsdp_units",
+                              with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
+                                                   "--steps=1", "--loss=standard"}));
   ASSERT_EQ(gpt.exit_code, 0) << gpt.output;
   EXPECT_EQ(fsdp.steps.back().at("num_collectives"), gpt.steps.back().at("num_collectives"));
 }
@@ -1017,9 +1021,9 @@ std::vector<std::string> planner_args(std::vector<std::string> more) {
 // A run that cannot fit is refused before its model is built, with the estimate, the
 // memory available and the strategies that would fit.
 TEST(TrainerMemory, TooLittleMemoryPerRankIsRefusedUpFront) {
-  RunResult r = run_trainer("memory_ddp_refused", planner_args({"--strategy=ddp", "--nproc=2",
-                                                                "--batch=2",
-                                                                "--memory_per_rank=0.30"}));
+  RunResult r = run_trainer(
+      "memory_ddp_refused",
+      planner_args({"--strategy=ddp", "--nproc=2", "--batch=2", "--memory_per_rank=0.30"}));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(r.steps.empty()) << r.output;
   EXPECT_EQ(r.output.find("strategy: ddp on"), std::string::npos) << "built: " << r.output;
@@ -1033,9 +1037,9 @@ TEST(TrainerMemory, TooLittleMemoryPerRankIsRefusedUpFront) {
                            "fsdp --sharding full \\(0\\.2[0-9] GiB\\)")))
       << r.output;
   // Not even the runtime fits: no number of ranks helps, and the message says so.
-  RunResult tiny = run_trainer("memory_nothing_fits",
-                               with(common_args(), {"--strategy=single", "--batch=4",
-                                                    "--memory_per_rank=0.1"}));
+  RunResult tiny =
+      run_trainer("memory_nothing_fits",
+                  with(common_args(), {"--strategy=single", "--batch=4", "--memory_per_rank=0.1"}));
   EXPECT_EQ(tiny.exit_code, 1);
   EXPECT_NE(tiny.output.find("No strategy fits at any world size: activations and the runtime "
                              "alone need 0.25 GiB per rank"),
@@ -1052,29 +1056,27 @@ TEST(TrainerMemory, TooLittleMemoryPerRankIsRefusedUpFront) {
 // trains as that strategy does (here FSDP, which matches single-device training).
 TEST(TrainerMemory, AutoPicksTheLeastShardingThatFitsAndTrainsLikeIt) {
   RunResult single = run_trainer("memory_single", planner_args({"--strategy=single", "--batch=4"}));
-  RunResult chosen = run_trainer("memory_auto", planner_args({"--strategy=auto", "--nproc=2",
-                                                               "--batch=2",
-                                                               "--memory_per_rank=0.30"}));
+  RunResult chosen = run_trainer(
+      "memory_auto",
+      planner_args({"--strategy=auto", "--nproc=2", "--batch=2", "--memory_per_rank=0.30"}));
   EXPECT_NE(chosen.output.find("memory: --strategy auto chose --strategy fsdp --sharding grad_op "
                                "(0.30 GiB per rank available: --memory_per_rank); estimates per "
                                "rank:\n  --strategy ddp: 0.3"),
             std::string::npos)
       << chosen.output;
-  EXPECT_NE(chosen.output.find("strategy: fsdp on 2 rank(s)"), std::string::npos)
-      << chosen.output;
+  EXPECT_NE(chosen.output.find("strategy: fsdp on 2 rank(s)"), std::string::npos) << chosen.output;
   EXPECT_NE(chosen.output.find("sharding grad_op"), std::string::npos) << chosen.output;
   expect_same_curve(single, chosen, kFp32Tolerance);
   // With room for DDP, DDP; at one rank, single (the default budget: this machine's memory).
-  RunResult ddp = run_trainer("memory_auto_ddp",
-                              planner_args({"--strategy=auto", "--nproc=2", "--batch=2",
-                                            "--steps=1", "--memory_per_rank=64"}));
+  RunResult ddp =
+      run_trainer("memory_auto_ddp", planner_args({"--strategy=auto", "--nproc=2", "--batch=2",
+                                                   "--steps=1", "--memory_per_rank=64"}));
   EXPECT_NE(ddp.output.find("memory: --strategy auto chose --strategy ddp "), std::string::npos)
       << ddp.output;
   EXPECT_NE(ddp.output.find("strategy: ddp on 2 rank(s)"), std::string::npos) << ddp.output;
-  RunResult one = run_trainer("memory_auto_single",
-                              with(common_args(), {"--strategy=auto", "--steps=1"}));
-  EXPECT_NE(one.output.find("memory: --strategy auto chose --strategy single ("),
-            std::string::npos)
+  RunResult one =
+      run_trainer("memory_auto_single", with(common_args(), {"--strategy=auto", "--steps=1"}));
+  EXPECT_NE(one.output.find("memory: --strategy auto chose --strategy single ("), std::string::npos)
       << one.output;
   EXPECT_NE(one.output.find("shared by 1 local rank(s)"), std::string::npos) << one.output;
 }
@@ -1084,12 +1086,11 @@ TEST(TrainerMemory, AutoPicksTheLeastShardingThatFitsAndTrainsLikeIt) {
 // training up to fp32 rounding: the same text.
 TEST_F(TrainerTest, FsdpSamplesUnitByUnitAsSingleDoes) {
   const std::vector<std::string> sample = {"--sample_tokens=12", "--top_k=0", "--prompt=the "};
-  RunResult single =
-      run_trainer("single_sample", with(common_args(), with({"--strategy=single", "--batch=4"},
-                                                             sample)));
-  RunResult fsdp = run_trainer(
-      "fsdp_sample",
-      with(common_args(), with({"--strategy=fsdp", "--nproc=2", "--batch=2"}, sample)));
+  RunResult single = run_trainer(
+      "single_sample", with(common_args(), with({"--strategy=single", "--batch=4"}, sample)));
+  RunResult fsdp =
+      run_trainer("fsdp_sample",
+                  with(common_args(), with({"--strategy=fsdp", "--nproc=2", "--batch=2"}, sample)));
   ASSERT_EQ(single.exit_code, 0) << single.output;
   ASSERT_EQ(fsdp.exit_code, 0) << fsdp.output;
   std::smatch a, b;

@@ -27,8 +27,8 @@ HeaderExchange::HeaderExchange(const ncclUniqueId& id, int rank, int world_size,
   check_cuda(cudaHostAlloc(&h, bytes, cudaHostAllocDefault), ctx, "cudaHostAlloc");
   host_headers_.reset(h);
 
-  comm_ = init_nonblocking_comm(world_size, id, rank, join_deadline, ctx,
-                                 "NCCL header communicator");
+  comm_ =
+      init_nonblocking_comm(world_size, id, rank, join_deadline, ctx, "NCCL header communicator");
 }
 
 HeaderExchange::~HeaderExchange() {

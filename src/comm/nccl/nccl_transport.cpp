@@ -12,8 +12,8 @@
 #include "comm/device_contract.h"
 #include "comm/nccl/header_exchange.h"
 #include "comm/nccl/nccl_comm.h"
-#include "comm/nccl/tag_policy.h"
 #include "comm/nccl/nccl_util.h"
+#include "comm/nccl/tag_policy.h"
 
 namespace dtrain::nccl_backend {
 namespace {
@@ -74,8 +74,8 @@ void check_distinct_gpus(Store& store, int rank, int world_size, int device, int
     }
     store.set(fmt::format("gpu_read/{}", rank), Bytes{1});
   } catch (const TimeoutError& e) {
-    throw TimeoutError(ctx, fmt::format("not every rank said which GPU it uses in time ({})",
-                                        e.cause()));
+    throw TimeoutError(
+        ctx, fmt::format("not every rank said which GPU it uses in time ({})", e.cause()));
   } catch (const std::invalid_argument& e) {
     throw CommError(ctx, e.what());
   }
@@ -143,7 +143,9 @@ class NcclTransport final : public detail::CollectiveEngine {
  public:
   NcclTransport(std::shared_ptr<Store> store, int rank, int world_size,
                 const CommunicatorOptions& options, std::shared_ptr<detail::StickyFailure> failure)
-      : rank_(rank), world_size_(world_size), store_(make_prefix_store("dtrain/nccl/" + options.name, std::move(store))) {
+      : rank_(rank),
+        world_size_(world_size),
+        store_(make_prefix_store("dtrain/nccl/" + options.name, std::move(store))) {
     const ErrorContext ctx{rank, world_size, "connect", -1};
     const auto deadline = Clock::now() + options.timeout;
     device_ = resolve_device(options, ctx);
@@ -197,9 +199,7 @@ class NcclTransport final : public detail::CollectiveEngine {
   }
 
   // Tags are refused, not ignored (tag_policy.h).
-  void check_call(const PointToPoint& call) const override {
-    check_tag(call.tag, call.context);
-  }
+  void check_call(const PointToPoint& call) const override { check_tag(call.tag, call.context); }
 
   WorkPtr start(Collective call) override {
     const ErrorContext& ctx = call.context;

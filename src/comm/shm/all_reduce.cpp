@@ -20,7 +20,9 @@ void all_reduce(Steps& steps, const at::Tensor& tensor, ReduceFn fn) {
     const size_t off = c * per_chunk;
     const size_t len = std::min(per_chunk, n - off);
     const int set = steps.next_set();
-    auto slice_lo = [&](int r) { return len * static_cast<size_t>(r) / static_cast<size_t>(world); };
+    auto slice_lo = [&](int r) {
+      return len * static_cast<size_t>(r) / static_cast<size_t>(world);
+    };
     auto buf = [&](int r) { return steps.segment().buffer(set, r); };
     std::memcpy(buf(me), data + off * es, len * es);
     steps.wrote(len * es);

@@ -118,9 +118,10 @@ void Barrier::fail_missing(uint32_t g, std::chrono::milliseconds timeout, const 
   for (int r = 0; r < world_size_; ++r) {
     if (!reached(segment_.slot(r).arrived.load(), g)) missing.push_back(global(r));
   }
-  throw TimeoutError(fmt::format("rank(s) {} did not {} within {} ms (slow, hung, or they "
-                                 "issued fewer collectives)",
-                                 fmt::join(missing, ", "), step, timeout.count()));
+  throw TimeoutError(
+      fmt::format("rank(s) {} did not {} within {} ms (slow, hung, or they "
+                  "issued fewer collectives)",
+                  fmt::join(missing, ", "), step, timeout.count()));
 }
 
 }  // namespace dtrain::shm

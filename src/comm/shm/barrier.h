@@ -43,7 +43,9 @@ class Barrier {
   [[noreturn]] void fail_missing(uint32_t generation, std::chrono::milliseconds timeout,
                                  const std::string& step);
   void check_peer(int peer) const;
-  int global(int r) const { return global_ranks_.empty() ? r : global_ranks_[static_cast<size_t>(r)]; }
+  int global(int r) const {
+    return global_ranks_.empty() ? r : global_ranks_[static_cast<size_t>(r)];
+  }
 
   const Segment& segment_;
   const int rank_;

@@ -84,9 +84,9 @@ class HierarchicalTransport final : public detail::CollectiveEngine {
     sub.root = root;
     sub.context = call.context;
     sub.header = call.header;  // the leaders compare the user's call
-    sub.timeout = std::max(std::chrono::milliseconds(1),
-                           std::chrono::duration_cast<std::chrono::milliseconds>(
-                               deadline - Clock::now()));
+    sub.timeout =
+        std::max(std::chrono::milliseconds(1),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
     leaders_->start(std::move(sub))->wait();
   }
 
@@ -100,9 +100,9 @@ class HierarchicalTransport final : public detail::CollectiveEngine {
     poisoned.context = call.context;
     poisoned.header = call.header;
     poisoned.header.op = 0;
-    poisoned.timeout = std::max(std::chrono::milliseconds(1),
-                                std::chrono::duration_cast<std::chrono::milliseconds>(
-                                    deadline - Clock::now()));
+    poisoned.timeout =
+        std::max(std::chrono::milliseconds(1),
+                 std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
     try {
       leaders_->start(std::move(poisoned))->wait();
     } catch (const Error&) {  // expected: the leaders disagree
@@ -226,9 +226,9 @@ class HierarchicalTransport final : public detail::CollectiveEngine {
   Segment segment_;
   Barrier barrier_;
   std::unique_ptr<detail::CollectiveEngine> leaders_;  // local index 0 only
-  uint64_t sets_used_ = 0;                      // executor thread only
-  std::array<at::Tensor, 2> scratch_;           // executor thread only, see scratch()
-  CallRunner calls_;                            // last: destroyed first, see call_runner.h
+  uint64_t sets_used_ = 0;                             // executor thread only
+  std::array<at::Tensor, 2> scratch_;                  // executor thread only, see scratch()
+  CallRunner calls_;                                   // last: destroyed first, see call_runner.h
 };
 
 }  // namespace

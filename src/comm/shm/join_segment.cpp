@@ -34,8 +34,8 @@ void wait_all_mapped(Store& store, int world, const CommunicatorOptions& o,
 
 }  // namespace
 
-std::optional<Segment> join_segment(Store& store, int rank, int world,
-                                    const CommunicatorOptions& o, bool required) {
+std::optional<Segment> join_segment(Store& store, int rank, int world, const CommunicatorOptions& o,
+                                    bool required) {
   const ErrorContext ctx{rank, world, "connect (shared memory)", -1};
   std::string name;
   std::optional<Segment> seg;

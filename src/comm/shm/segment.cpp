@@ -52,15 +52,17 @@ const char* to_string(RankState s) {
 
 Segment Segment::create(const std::string& name, int world_size, size_t chunk_bytes) {
   // Every rank's region of a reduce-scatter chunk must hold one element of 8 bytes.
-  chunk_bytes = round_up(std::max({chunk_bytes, kAlign, 8 * static_cast<size_t>(world_size)}), kAlign);
+  chunk_bytes =
+      round_up(std::max({chunk_bytes, kAlign, 8 * static_cast<size_t>(world_size)}), kAlign);
   const size_t bytes = total_bytes(world_size, chunk_bytes);
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
     const int err = errno;
     if (err == EEXIST)
-      throw CommError(fmt::format("shared-memory segment {} exists: a stale or foreign segment "
-                                  "(left alone)",
-                                  name));
+      throw CommError(
+          fmt::format("shared-memory segment {} exists: a stale or foreign segment "
+                      "(left alone)",
+                      name));
     fail(name, "shm_open(O_CREAT|O_EXCL)", err);
   }
   void* base = MAP_FAILED;
@@ -101,8 +103,8 @@ Segment Segment::open(const std::string& name, int world_size) {
   const auto bytes = static_cast<size_t>(st.st_size);
   if (bytes < data_offset(1)) {
     close(fd);
-    throw CommError(fmt::format("shared-memory segment {} is {} bytes: not a dtrain segment", name,
-                                bytes));
+    throw CommError(
+        fmt::format("shared-memory segment {} is {} bytes: not a dtrain segment", name, bytes));
   }
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
@@ -117,8 +119,9 @@ Segment Segment::open(const std::string& name, int world_size) {
                                 name, SegmentHeader::kVersion));
   }
   if (h.world_size != world_size || bytes != total_bytes(world_size, h.chunk_bytes)) {
-    throw CommError(fmt::format("shared-memory segment {} is for {} ranks, this communicator has {}",
-                                name, h.world_size, world_size));
+    throw CommError(
+        fmt::format("shared-memory segment {} is for {} ranks, this communicator has {}", name,
+                    h.world_size, world_size));
   }
   return seg;
 }

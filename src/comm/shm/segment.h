@@ -75,7 +75,8 @@ class Segment {
   char* buffer(int set, int rank) const;
 
  private:
-  Segment(std::string name, void* base, size_t bytes) : name_(std::move(name)), base_(base), bytes_(bytes) {}
+  Segment(std::string name, void* base, size_t bytes)
+      : name_(std::move(name)), base_(base), bytes_(bytes) {}
 
   std::string name_;
   void* base_ = nullptr;

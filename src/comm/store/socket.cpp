@@ -109,8 +109,8 @@ Socket connect_tcp(const std::string& host, uint16_t port, Clock::time_point dea
     AddrInfo ai;
     resolve(host, port, false, ai);
     for (addrinfo* a = ai.head; a != nullptr; a = a->ai_next) {
-      Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                        a->ai_protocol));
+      Socket s(
+          ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
       if (s.fd() < 0) continue;
       // Non-blocking, so that an address that drops SYNs costs at most the deadline
       // (a blocking connect waits for the kernel's SYN retries, about two minutes).
