@@ -85,6 +85,11 @@ class SafetensorsReader {
   // The start of t's data in the mapping (valid while the reader lives), for zero-copy use;
   // null for a reader dtrain opened over a checksummed checkpoint file.
   const void* mapped_data(const SafetensorsTensor& t) const;
+  // Drops t's mapped pages from this process's resident set once the caller is done with
+  // it (the kernel's page cache keeps them; reading t again faults them back). A rank that
+  // streams its shards out of a large file calls it after each tensor, so its RSS holds its
+  // shards, not every page its strided reads touched. No-op over a checkpoint file.
+  void release(const SafetensorsTensor& t);
 
  private:
   friend struct SafetensorsAccess;

@@ -132,6 +132,17 @@ void MappedFile::read(uint64_t offset, void* out, size_t n) {
   bytes_read_ += n;
 }
 
+void MappedFile::release(uint64_t offset, uint64_t n) {
+  if (data_ == nullptr || offset >= size_ || n == 0) return;
+  n = std::min<uint64_t>(n, size_ - offset);
+  // Whole pages, widened outwards: a neighbour's page dropped too is only faulted back later.
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t begin = offset / page * page;
+  const uint64_t end = std::min<uint64_t>((offset + n + page - 1) / page * page, size_);
+  // Clean pages of a read-only shared file mapping: dropping them loses nothing.
+  ::madvise(const_cast<uint8_t*>(data_) + begin, end - begin, MADV_DONTNEED);
+}
+
 VerifiedFile::VerifiedFile(std::string path, FileDigest expected)
     : path_(std::move(path)), expected_(std::move(expected)) {
   uint64_t actual = 0;

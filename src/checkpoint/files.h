@@ -53,6 +53,9 @@ class ByteSource {
   virtual uint64_t bytes_read() const = 0;
   // The file's bytes when it is memory-mapped; null otherwise.
   virtual const uint8_t* mapped() const { return nullptr; }
+  // Drops the mapped pages of [offset, offset + n) from this process's resident set (the
+  // page cache keeps them; a later read faults them back). No-op for a source that reads.
+  virtual void release(uint64_t /*offset*/, uint64_t /*n*/) {}
 };
 
 // A file mapped read-only, no checksums (safetensors files from elsewhere): a read copies
@@ -68,6 +71,7 @@ class MappedFile final : public ByteSource {
   const std::string& path() const override { return path_; }
   uint64_t bytes_read() const override { return bytes_read_; }
   const uint8_t* mapped() const override { return data_; }
+  void release(uint64_t offset, uint64_t n) override;
 
  private:
   std::string path_;

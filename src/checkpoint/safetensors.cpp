@@ -244,6 +244,10 @@ const void* SafetensorsReader::mapped_data(const SafetensorsTensor& t) const {
   return base == nullptr ? nullptr : base + t.begin;
 }
 
+void SafetensorsReader::release(const SafetensorsTensor& t) {
+  source_->impl->release(t.begin, t.nbytes());
+}
+
 SafetensorsWriter::SafetensorsWriter(std::string path, const std::vector<SafetensorsTensor>& layout,
                                      const std::map<std::string, std::string>& metadata)
     : file_(std::make_unique<File>(std::move(path))) {

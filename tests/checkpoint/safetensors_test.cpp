@@ -191,6 +191,38 @@ TEST(Safetensors, PublicRoundTripEveryDtypeWholeAndInRanges) {
   }
 }
 
+// Resident file-backed pages of this process (KiB), from /proc/self/status.
+int64_t rss_file_kib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("RssFile:", 0) == 0) return std::stoll(line.substr(8));
+  }
+  return -1;
+}
+
+// Strided small reads (a transposed shard's) touch every page of a tensor; release() takes
+// them out of the resident set again, and the tensor still reads back whole.
+TEST(Safetensors, ReleaseDropsATensorsPagesFromTheResidentSet) {
+  if (rss_file_kib() < 0) GTEST_SKIP() << "no RssFile in /proc/self/status";
+  TempDir dir("st_release");
+  const std::string path = dir / "big.safetensors";
+  const at::Tensor want = at::arange(int64_t{4} << 20, at::kFloat);  // 16 MiB
+  dtrain::write_safetensors(path, {{"big", want}});
+  dtrain::SafetensorsReader r(path);
+  const dtrain::SafetensorsTensor& t = r.at("big");
+  const int64_t before = rss_file_kib();
+  char buf[4];
+  for (uint64_t off = 0; off + sizeof buf <= t.nbytes(); off += 4096) {
+    r.read_bytes(t, off, buf, sizeof buf);
+  }
+  const int64_t touched = rss_file_kib();
+  EXPECT_GE(touched - before, 15 * 1024) << "the strided reads should map the whole tensor";
+  r.release(t);
+  EXPECT_LE(rss_file_kib() - before, 1024) << "release left the tensor's pages resident";
+  EXPECT_TRUE(at::equal(r.read("big"), want));
+}
+
 // A real file cut short, or with a corrupted header, is refused at open with the file's name.
 TEST(Safetensors, TruncatedOrCorruptFileIsRefusedNamingTheFile) {
   TempDir dir("st_cut");
