@@ -13,6 +13,8 @@
 #              (kept as OUT/INIT_PRESET.safetensors while the run needs it, then removed)
 #   refuse     single and DDP x4 INIT_PRESET with --memory_per_rank REFUSE_GIB (4): refused
 #              up front by the planner
+#   fit        FSDP x4 INIT_PRESET with --activation_checkpointing at --memory_per_rank
+#              REFUSE_GIB: what the planner accepts within that budget (not a default part)
 # Then benchmarks/model-size-table.py OUT writes OUT/model-size.{md,csv,json} from every run
 # in OUT/runs (so the parts can run as separate commands, one preset at a time).
 # Environment: STEPS (2), MEM_GIB (the machine's budget in GiB; default MemAvailable).
@@ -86,6 +88,12 @@ for part in $PARTS; do
         --init_from "$weights"
       rm -f "$weights"
       ;;
+    fit)
+      set -- $(ranks_args fsdp)
+      shift
+      run "fit-$INIT_PRESET-fsdp" --model "$INIT_PRESET" "$@" --memory_per_rank "$REFUSE_GIB" \
+        --activation_checkpointing
+      ;;
     refuse)
       for s in single ddp; do
         set -- $(ranks_args "$s")
@@ -94,7 +102,7 @@ for part in $PARTS; do
       done
       ;;
     *)
-      echo "unknown part $part (train, init_from, refuse)" >&2
+      echo "unknown part $part (train, init_from, refuse, fit)" >&2
       exit 2
       ;;
   esac

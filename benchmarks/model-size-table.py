@@ -163,6 +163,14 @@ def main():
                       f"{', '.join(map(str, model_part))} | {bound:.0f} | "
                       f"{r['setup_ratio_model_part']:.2f} | {r['setup_ratio']:.2f} |")
 
+    fits = [r for n, r in parsed.items() if n.startswith("fit-")]
+    if fits:
+        md += ["", "Within --memory_per_rank (part `fit`, activation checkpointing):", ""]
+        for r in fits:
+            peaks = r["peak_rss_mib_per_rank"]
+            md.append(f"- `{r['command']}`: {r['status']}, estimate {r['estimate_gib']} GiB, "
+                      f"peak RSS per rank {', '.join(map(str, peaks or []))} MiB")
+
     refusals = [r for n, r in parsed.items() if n.startswith("refuse-")]
     if refusals:
         md += ["", "Refused up front:", ""]
