@@ -213,6 +213,11 @@ ABSL_FLAG(bool, activation_checkpointing, false,
           "Recompute every transformer block's forward during backward instead of keeping its "
           "activations: less memory, about one more forward of time (any strategy).");
 ABSL_FLAG(bool, forward_prefetch, false, "fsdp: gather unit k+1 while unit k's forward runs.");
+ABSL_FLAG(bool, cpu_offload, false,
+          "fsdp: keep the fp32 parameter shards, their gradients and AdamW's state in host "
+          "memory (pinned) and step them there; each gather copies a shard to the GPU "
+          "(FsdpOptions::cpu_offload). On a CPU-only run the model is in host memory already: "
+          "accepted, changes nothing, and says so.");
 
 // Evaluation and output
 ABSL_FLAG(int64_t, val_every, 0,
@@ -524,6 +529,9 @@ Config config_from_flags() {
   c.metrics_out = absl::GetFlag(FLAGS_metrics_out);
   c.prompt = absl::GetFlag(FLAGS_prompt);
   c.forward_prefetch = absl::GetFlag(FLAGS_forward_prefetch);
+  c.cpu_offload = absl::GetFlag(FLAGS_cpu_offload);
+  check(!c.cpu_offload || c.strategy == StrategyKind::kFsdp || c.strategy_auto,
+        "--cpu_offload offloads FSDP's shards; it needs --strategy fsdp (or auto)");
   c.malloc_tuning = absl::GetFlag(FLAGS_malloc_tuning);
   c.export_path = absl::GetFlag(FLAGS_export);
   c.init_from = absl::GetFlag(FLAGS_init_from);

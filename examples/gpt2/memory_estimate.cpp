@@ -80,6 +80,8 @@ dtrain::TrainingMemory training_memory(const Config& c, int world_size) {
   t.bucket_bytes = static_cast<int64_t>(c.bucket_mb * static_cast<double>(1 << 20));
   t.gathered_units = c.forward_prefetch ? 3 : 2;
   t.runtime_bytes = c.device == DeviceKind::kCuda ? kCudaRuntimeBytes : dtrain::kCpuRuntimeBytes;
+  // On the CPU offload changes nothing (the shards are in host memory already).
+  t.cpu_offload = c.cpu_offload && c.device == DeviceKind::kCuda;
   return t;
 }
 

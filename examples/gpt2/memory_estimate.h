@@ -33,8 +33,9 @@ int64_t lm_loss_bytes(int64_t rows, int64_t vocab, int64_t compute_bytes, bool f
 dtrain::ModelMemory model_memory(const Config& c, int64_t vocab);
 
 // How `c` trains it at `world_size` ranks: precision, AdamW, gradient accumulation, DDP's
-// bucket, FSDP's units gathered at once (one more with --forward_prefetch), and the runtime
-// (kCpuRuntimeBytes on the CPU; on CUDA kCudaRuntimeBytes of device memory).
+// bucket, FSDP's units gathered at once (one more with --forward_prefetch), --cpu_offload
+// (on CUDA only: on the CPU it changes nothing), and the runtime (kCpuRuntimeBytes on the
+// CPU; on CUDA kCudaRuntimeBytes of device memory).
 dtrain::TrainingMemory training_memory(const Config& c, int world_size);
 
 // Device memory a CUDA process holds beyond what the caching allocator hands out (its

@@ -105,6 +105,7 @@ struct Config {
   std::optional<dtrain::ReshardAfterForward> reshard_after_forward;
   dtrain::BackwardPrefetch prefetch = dtrain::BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
+  bool cpu_offload = false;  // fsdp: shards and optimizer state in host memory
   bool malloc_tuning = true;
 
   // Evaluation and output

@@ -64,6 +64,8 @@ class Trainer {
   void setup_model_and_strategy();
   void setup_optimizer();  // and the loss scaler
   Schedule plan_schedule();
+  // `mine` from every rank in rank order, rounded; a collective with several ranks.
+  std::vector<int64_t> every_rank(double mine);
 
   // Training (trainer.cpp).
   void train_epoch(const Schedule& schedule, int64_t epoch, RunState& run);

@@ -7,7 +7,6 @@
 #include <fmt/format.h>
 
 #include "dtrain/checkpoint.h"
-#include "dtrain/fsdp.h"
 #include "hf_weights.h"
 #include "metrics.h"
 #include "trainer.h"
@@ -109,24 +108,11 @@ void Trainer::wait_for_checkpoint() {
                   stats.path, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
 }
 
-// --export: the full fp32 weights (gathered under FSDP, a collective) written by rank 0
-// (GPT-2 only: flags.cpp refuses --export for BERT).
+// --export: the fp32 weights streamed to rank 0 one tensor at a time and written there (a
+// collective; GPT-2 only: flags.cpp refuses --export for BERT).
 void Trainer::export_weights() {
-  std::vector<std::pair<std::string, at::Tensor>> params;
-  if (auto* fsdp = dynamic_cast<dtrain::FullyShardedDataParallel*>(strategy_.get())) {
-    auto full = fsdp->full_state_dict();
-    auto names = task_->module()->named_parameters(true);
-    for (auto& [name, t] : full) {
-      if (names.contains(name)) params.emplace_back(name, t);
-    }
-  } else {
-    for (const auto& item : task_->module()->named_parameters(true)) {
-      params.emplace_back(item.key(), item.value());
-    }
-  }
-  if (!rank0()) return;
-  export_hf_safetensors(c_.export_path, params);
-  say(fmt::format("export: {} tensors in Hugging Face GPT-2 layout to {}", params.size(),
+  const int64_t tensors = export_hf_safetensors(c_.export_path, *strategy_);
+  say(fmt::format("export: {} tensors in Hugging Face GPT-2 layout to {}", tensors,
                   c_.export_path));
 }
 

@@ -9,14 +9,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <set>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dtrain/comm_hook.h"
 #include "dtrain/deferred_init.h"
@@ -27,6 +30,7 @@
 #include "dtrain/quantization.h"
 #include "dtrain/single_device.h"
 #include "hf_weights.h"
+#include "metrics.h"
 #include "trainer.h"
 
 namespace gpt2 {
@@ -184,26 +188,64 @@ void Trainer::setup_data() {
   }
 }
 
+std::vector<int64_t> Trainer::every_rank(double mine) {
+  std::vector<int64_t> all = {std::llround(mine)};
+  if (comm_ && info_.world_size > 1) {
+    at::Tensor in = at::full({1}, mine, at::TensorOptions().dtype(at::kDouble)).to(comm_->device());
+    at::Tensor out = at::empty({info_.world_size}, in.options());
+    comm_->all_gather_sync(out, in);
+    out = out.cpu();
+    all.clear();
+    for (int64_t i = 0; i < info_.world_size; ++i) {
+      all.push_back(std::llround(out.data_ptr<double>()[i]));
+    }
+  }
+  return all;
+}
+
+namespace {
+
+// This process's resident memory now (VmRSS), in MiB; -1 when /proc does not say.
+double current_rss_mib() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  double kib = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::strncmp(line, "VmRSS:", 6) == 0) {
+      kib = std::strtod(line + 6, nullptr);
+      break;
+    }
+  }
+  std::fclose(f);
+  return kib < 0 ? -1 : kib / 1024.0;
+}
+
+}  // namespace
+
 void Trainer::setup_model_and_strategy() {
+  const auto setup_start = std::chrono::steady_clock::now();
+  // What the process held before the model (libraries, data): the set-up line's baseline.
+  const double rss_before_model = current_rss_mib();
   at::manual_seed(static_cast<uint64_t>(c_.seed));  // identical initial weights on every rank
   // GPT-2 starts from param_init's values under every strategy: each parameter from its own
   // generator (seed, name). FSDP builds the model deferred and computes only this rank's
-  // shards of them (dtrain/deferred_init.h); --init_from reads whole tensors, so it keeps
-  // the built model.
+  // shards of them (dtrain/deferred_init.h); --init_from then streams each rank's shards out
+  // of the file once the strategy is built (load_hf_safetensors), so no rank ever holds the
+  // whole model.
   const bool gpt = c_.model_kind == ModelKind::kGpt2;
-  const bool deferred = gpt && c_.strategy == StrategyKind::kFsdp && c_.init_from.empty();
+  const bool deferred = gpt && c_.strategy == StrategyKind::kFsdp;
   task_ = make_task(c_, token_ids_, device_, deferred);
   std::optional<dtrain::DeferredInit> gpt_init;
   if (gpt) {
     gpt_init = param_init(task_->gpt()->config(), static_cast<uint64_t>(c_.seed));
+    // Values --init_from overwrites: zeros, not the random draws.
+    if (!c_.init_from.empty()) {
+      gpt_init->init = [](const std::string&, at::Tensor& p, at::Generator&) { p.zero_(); };
+    }
     if (!deferred) dtrain::init_parameters(*task_->module(), *gpt_init);
   }
   say("model: " + task_->describe() + (deferred ? ", deferred initialisation" : ""));
-  if (!c_.init_from.empty()) {  // GPT-2 only (flags.cpp)
-    Gpt gpt = task_->gpt();
-    init_from_hf_safetensors(c_.init_from, gpt);
-    say(fmt::format("model: initialized from {}", c_.init_from));
-  }
   std::shared_ptr<torch::nn::Module> module = task_->module();
 
   // bf16 on a CPU without native bf16: warned once for the job below, not by each rank's
@@ -253,6 +295,7 @@ void Trainer::setup_model_and_strategy() {
       o.sharding = c_.sharding;
       o.backward_prefetch = c_.prefetch;
       o.forward_prefetch = c_.forward_prefetch;
+      o.cpu_offload = c_.cpu_offload;
       o.use_orig_params = true;  // per-parameter views: AdamW's groups (setup_optimizer)
       if (deferred) o.deferred_init = gpt_init;
       if (c_.precision == Precision::kBf16) o.mixed_precision.param_dtype = at::kBFloat16;
@@ -301,6 +344,34 @@ void Trainer::setup_model_and_strategy() {
       break;
     }
   }
+  if (!c_.init_from.empty()) {  // GPT-2 only (flags.cpp)
+    const HfLoadStats loaded = load_hf_safetensors(c_.init_from, *strategy_);
+    // What rank 0 read of the file: under FSDP about 1/N of it (its shards' bytes).
+    say(fmt::format(
+        "model: initialized from {} ({} tensors, {:.2f} of the file's {:.2f} MiB "
+        "read on rank 0)",
+        c_.init_from, loaded.tensors, static_cast<double>(loaded.bytes_read) / (1 << 20),
+        static_cast<double>(std::filesystem::file_size(c_.init_from)) / (1 << 20)));
+  }
+  if (c_.cpu_offload && c_.strategy != StrategyKind::kFsdp) {
+    say("note: --cpu_offload ignored: --strategy auto chose " + strategy_->name() +
+        ", which holds no shards to offload");
+  } else if (c_.cpu_offload && device_.is_cpu()) {
+    say("note: --cpu_offload changes nothing on this CPU-only run: the shards, gradients and "
+        "optimizer state are in host memory already");
+  } else if (c_.cpu_offload) {
+    details += ", shards offloaded to host memory";
+  }
+  // The time a large model takes to be built, initialised (or loaded) and sharded, and every
+  // rank's peak RSS until now: the numbers bench-model-size.sh records.
+  const double setup_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - setup_start).count();
+  const std::vector<int64_t> peaks = every_rank(peak_rss_mib());
+  const std::vector<int64_t> before = every_rank(rss_before_model);
+  say(fmt::format(
+      "model: built, initialised and wrapped in {:.2f} s; peak RSS per rank {} MiB ({} MiB "
+      "before the model)",
+      setup_s, fmt::join(peaks, ", "), fmt::join(before, ", ")));
   if (c_.autocast()) {
     autocast_ = dtrain::Autocast{device_.type(), c_.precision == Precision::kBf16
                                                      ? c10::ScalarType::BFloat16

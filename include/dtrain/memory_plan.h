@@ -70,6 +70,11 @@ struct TrainingMemory {
   // Per process, independent of the model (kCpuRuntimeBytes on the CPU; on a GPU the
   // CUDA context and allocator reserve, which the device budget must also hold).
   int64_t runtime_bytes = kCpuRuntimeBytes;
+  // FSDP with FsdpOptions::cpu_offload, the module on an accelerator: the fp32 shards, their
+  // gradients and the optimizer's state live in host memory. The estimate (the device's
+  // bytes) then leaves them out and MemoryEstimate::host_bytes counts them. Leave it false
+  // for a module on the CPU, where offload changes nothing. Ignored by single and DDP.
+  bool cpu_offload = false;
 };
 
 // A strategy as the planner names and builds it.
@@ -98,8 +103,12 @@ struct MemoryEstimate {
   int64_t buffer_bytes = 0;      // DDP's bucket in flight; FSDP's held accumulation gradients
   int64_t activation_bytes = 0;  // ModelMemory::activation_bytes
   int64_t runtime_bytes = 0;     // TrainingMemory::runtime_bytes
+  // TrainingMemory::cpu_offload: the fp32 shards, their gradients and the optimizer's state,
+  // in host memory. Not part of total(), which is what the budget (the device's) must hold.
+  int64_t host_bytes = 0;
   int64_t total() const;
-  // "3.21 GiB (parameters 0.72, gathered 0.39, gradients 0.96, optimizer 1.44, ...)"
+  // "3.21 GiB (parameters 0.72, gathered 0.39, gradients 0.96, optimizer 1.44, ...)", with
+  // offload "... GiB; host memory 2.88 GiB)"
   std::string to_string() const;
 };
 

@@ -100,9 +100,10 @@ std::string MemoryEstimate::to_string() const {
   parts += fmt::format(", gradients {:.2f}, optimizer {:.2f}", gib(gradient_bytes),
                        gib(optimizer_bytes));
   if (buffer_bytes > 0) parts += fmt::format(", buffers {:.2f}", gib(buffer_bytes));
-  parts += fmt::format(", activations {:.2f}, runtime {:.2f}", gib(activation_bytes),
+  parts += fmt::format(", activations {:.2f}, runtime {:.2f} GiB", gib(activation_bytes),
                        gib(runtime_bytes));
-  return fmt::format("{} ({} GiB)", format_gib(total()), parts);
+  if (host_bytes > 0) parts += fmt::format("; host memory {}", format_gib(host_bytes));
+  return fmt::format("{} ({})", format_gib(total()), parts);
 }
 
 MemoryEstimate estimate_memory(const ModelMemory& model, const TrainingMemory& training,
@@ -165,6 +166,19 @@ MemoryEstimate estimate_memory(const ModelMemory& model, const TrainingMemory& t
     e.gathered_bytes = c * std::min(gathered, P);
   }
   if (training.accumulates) e.buffer_bytes = kFp32 * P;  // unsharded fp32 gradients, held
+  if (training.cpu_offload) {
+    // The fp32 state moves to host memory. The device keeps the gathered units (now also
+    // in fp32 and unsharded: the shard is no longer there to share their memory), one
+    // unit's unsharded gradient, and the device copies of one unit's shard and its reduced
+    // gradient shard on their way to and from the host.
+    e.host_bytes = e.parameter_bytes + kFp32 * shard + e.optimizer_bytes;
+    const int64_t unit_shard = (largest + S - 1) / S;
+    e.parameter_bytes = 0;
+    e.optimizer_bytes = 0;
+    e.gradient_bytes = c * largest + kFp32 * unit_shard;
+    if (S == 1) e.gathered_bytes = c * P;
+    e.gathered_bytes += kFp32 * unit_shard;
+  }
   return e;
 }
 

@@ -108,6 +108,37 @@ TEST(MemoryPlan, GradOpHybridAndNoShard) {
   EXPECT_EQ(estimate_memory(model(), t, kNoShard).gathered_bytes, 2000);
 }
 
+// CPU offload: the fp32 shards, their gradients and AdamW's moments leave the device's
+// estimate for host memory; the device keeps the gathered units (unsharded fp32 even where
+// the shard shared their memory), a unit's unsharded gradient and one unit's shard in transit.
+TEST(MemoryPlan, CpuOffloadMovesTheFp32StateToHostMemory) {
+  TrainingMemory t = training(4);
+  t.cpu_offload = true;
+  const MemoryEstimate e = estimate_memory(model(), t, kFull);
+  EXPECT_EQ(e.parameter_bytes, 0);
+  EXPECT_EQ(e.optimizer_bytes, 0);
+  EXPECT_EQ(e.gradient_bytes, 4 * 400 + 4 * 100);  // the root's gradient, its reduced shard
+  EXPECT_EQ(e.gathered_bytes, 4 * (400 + 300 + 100 + 100) + 4 * 100);  // + the root's shard
+  EXPECT_EQ(e.host_bytes, 1000 + 1000 + 2000);  // shard, its gradient, two moments
+  EXPECT_EQ(e.total(), 2000 + 4000 + 500 + 1000);
+  EXPECT_LT(e.total(), estimate_memory(model(), training(4), kFull).total());
+  EXPECT_NE(e.to_string().find("; host memory 0.00 GiB)"), std::string::npos) << e.to_string();
+  // NO_SHARD: the device now needs its own fp32 copy of the whole model.
+  const MemoryEstimate n = estimate_memory(model(), t, kNoShard);
+  EXPECT_EQ(n.gathered_bytes, 4000 + 4 * 400);
+  EXPECT_EQ(n.host_bytes, 4000 + 4000 + 8000);
+  // Strategies without shards ignore it; without offload there is no host term.
+  const MemoryEstimate d = estimate_memory(model(), t, kDdp);
+  EXPECT_EQ(d.host_bytes, 0);
+  EXPECT_EQ(d.total(), estimate_memory(model(), training(4), kDdp).total());
+  EXPECT_EQ(estimate_memory(model(), training(4), kFull).host_bytes, 0);
+  EXPECT_EQ(estimate_memory(model(), training(4), kFull).to_string().find("host"),
+            std::string::npos);
+  // A budget full sharding misses without offload fits it with offload (grad_op: 7900).
+  EXPECT_FALSE(plan_memory(model(), training(4), 7600).choice().has_value());
+  EXPECT_EQ(plan_memory(model(), t, 7600).choice()->strategy, kFull);
+}
+
 TEST(MemoryPlan, ShardingNeverCostsMoreStateThanFewerRanks) {
   ModelMemory m;
   m.parameters = 774'030'080;  // GPT-2 large

@@ -765,11 +765,59 @@ TEST(TrainerCheckpoint, ExportThenInitFrom) {
   EXPECT_NE(b.output.find("model: initialized from " + file), std::string::npos) << b.output;
   // It starts where the exported run ended, not from scratch.
   EXPECT_LT(b.steps.front().at("loss"), a.steps.front().at("loss") - 0.05);
+  // Under FSDP the file is streamed into each rank's shards: the same start as single.
+  RunResult c = run_trainer(
+      "init_from_fsdp",
+      with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--init_from=" + file}));
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("model: initialized from " + file), std::string::npos) << c.output;
+  EXPECT_NEAR(c.steps.front().at("loss"), b.steps.front().at("loss"),
+              1e-5 * b.steps.front().at("loss"));
+  // FSDP builds the model deferred (also with --init_from) and rank 0 reads about half of
+  // the file, its shards' bytes; single reads all of it (the header aside).
+  EXPECT_NE(c.output.find(", deferred initialisation"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("model: built, initialised and wrapped in "), std::string::npos)
+      << c.output;
+  const auto read_fraction = [](const std::string& output) {
+    std::smatch m;
+    const std::regex line("tensors, ([0-9.]+) of the file's ([0-9.]+) MiB read on rank 0\\)");
+    if (!std::regex_search(output, m, line)) return -1.0;
+    return std::stod(m[1].str()) / std::stod(m[2].str());
+  };
+  const double fsdp_read = read_fraction(c.output), single_read = read_fraction(b.output);
+  EXPECT_GT(fsdp_read, 0.4) << c.output;
+  EXPECT_LT(fsdp_read, 0.6) << c.output;
+  EXPECT_GT(single_read, 0.95) << b.output;
   RunResult bad = run_trainer("init_bad", with(common_args(), {"--strategy=single", "--batch=4",
                                                                "--dim=32", "--init_from=" + file}));
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find(file + ": transformer.wte.weight has shape"), std::string::npos)
       << bad.output;
+  RunResult bad_fsdp =
+      run_trainer("init_bad_fsdp", with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2",
+                                                        "--dim=32", "--init_from=" + file}));
+  EXPECT_NE(bad_fsdp.exit_code, 0);
+  EXPECT_NE(bad_fsdp.output.find(file + ": transformer.wte.weight has shape"), std::string::npos)
+      << bad_fsdp.output;
+
+  // --cpu_offload on a CPU-only run: accepted, said to change nothing, and it does not.
+  RunResult offload = run_trainer(
+      "cpu_offload",
+      with(common_args(), {"--strategy=fsdp", "--nproc=2", "--batch=2", "--cpu_offload"}));
+  ASSERT_EQ(offload.exit_code, 0) << offload.output;
+  EXPECT_NE(offload.output.find("note: --cpu_offload changes nothing on this CPU-only run"),
+            std::string::npos)
+      << offload.output;
+  ASSERT_EQ(offload.steps.size(), a.steps.size());
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_EQ(offload.steps[i].at("loss"), a.steps[i].at("loss")) << "step " << i;
+  }
+  RunResult ddp =
+      run_trainer("cpu_offload_ddp", with(common_args(), {"--strategy=ddp", "--cpu_offload"}));
+  EXPECT_EQ(ddp.exit_code, 1);
+  EXPECT_NE(ddp.output.find("--cpu_offload offloads FSDP's shards; it needs --strategy fsdp"),
+            std::string::npos)
+      << ddp.output;
   std::remove(file.c_str());
 }
 

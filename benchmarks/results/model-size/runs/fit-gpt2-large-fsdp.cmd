@@ -1,0 +1,1 @@
+build/examples/gpt2/gpt2_train --data random --tokenizer byte --vocab 50257 --ctx 128 --batch 1 --steps 2 --precision fp32 --val_batches 1 --sample_tokens 0 --log_every 1 --model gpt2-large --strategy fsdp --sharding full --nproc 4 --threads 1 --memory_per_rank 4 --activation_checkpointing --metrics_out /tmp/bm30-ms/runs/fit-gpt2-large-fsdp.jsonl
