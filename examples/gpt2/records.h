@@ -22,8 +22,10 @@ struct StepRecord {
   // The strategy's StepStats, summed over the step's micro-batches.
   double comm_wait_s = 0, comm_total_s = 0;
   int64_t num_collectives = 0;
-  // Bytes on the wire of the step (wire_stats.h): this rank's, then (after the step's
-  // all-gather, gather_rank_values) summed over all ranks: the bytes the whole job sent.
+  // Bytes on the wire of the step (wire_stats.h): this rank's (its micro-batches'
+  // StepStats::wire, the gradient norm's included, plus the loss scale's agreement), then
+  // (after the step's all-gather, gather_rank_values) summed over all ranks: the bytes the
+  // whole job sent.
   dtrain::WireStats wire;
   // One entry per rank, exchanged in the step's all-gather.
   std::vector<double> peak_rss_mib_per_rank, model_state_mib_per_rank;

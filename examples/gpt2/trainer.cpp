@@ -196,7 +196,6 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
   const auto t0 = Clock::now();
 
   zero_grad_to_none(*optimizer_);
-  const dtrain::WireStats wire_before = wire_now();
   double local_loss = 0;
   for (int64_t m = 0; m < c_.grad_accum; ++m) {
     const double loss = micro_step(index_in_epoch * c_.grad_accum + m, m + 1 == c_.grad_accum, r);
@@ -204,9 +203,15 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
   }
   if (scaler_) {  // true gradients before clipping; every rank agrees on inf/NaN
     r.loss_scale = scaler_->current_scale();
+    // The agreement goes over the world's communicator, outside the strategy's steps.
+    const bool agrees = comm_ && info_.world_size > 1;
+    const dtrain::WireStats before = agrees ? dtrain::wire_stats(*comm_) : dtrain::WireStats{};
     scaler_->unscale(*optimizer_);
+    if (agrees) r.wire += dtrain::wire_stats(*comm_).since(before);
   }
   r.grad_norm = c_.clip > 0 ? strategy_->clip_grad_norm(c_.clip) : strategy_->grad_norm();
+  // The last micro-batch's bytes on the wire, now with the norm's all-reduce (FSDP).
+  r.wire += strategy_->last_step_stats().wire;
   if (scaler_) {
     r.skipped = !scaler_->step(*optimizer_);
     scaler_->update();
@@ -221,17 +226,15 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
     op_profile_->add_step(r.step_time_s);
     if (op_profile_->steps() == c_.profile_steps) write_profile(schedule.total_steps);
   }
-  // Every collective of the step (forward, backward, clipping, the loss scale's agreement),
-  // not the all-gather below that reports it.
-  r.wire = wire_now().since(wire_before);
   gather_rank_values(local_loss, r);
   check(std::isfinite(r.loss), fmt::format("loss is {} at step {}", r.loss, r.step));
   return r;
 }
 
-// Forward and backward of one micro-batch; adds its communication to `record` and returns
-// its loss. Only the step's last micro-batch communicates gradients: the others accumulate
-// locally (Strategy::set_requires_gradient_sync; DDP in its buckets, FSDP unsharded).
+// Forward and backward of one micro-batch; adds its communication to `record` (the last
+// micro-batch's bytes on the wire after the gradient norm: train_step) and returns its loss.
+// Only the step's last micro-batch communicates gradients: the others accumulate locally
+// (Strategy::set_requires_gradient_sync; DDP in its buckets, FSDP unsharded).
 double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
   Batch b = task_->load_batch(train_tokens_, *train_sampler_, micro_batch);
   at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
@@ -244,6 +247,7 @@ double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
   record.comm_wait_s += stats.comm_wait_s;
   record.comm_total_s += stats.comm_total_s;
   record.num_collectives += stats.num_collectives;
+  if (!last) record.wire += stats.wire;
   return value;
 }
 
@@ -252,13 +256,6 @@ at::Tensor Trainer::model_loss(const at::Tensor& x, const at::Tensor& y) {
   std::optional<dtrain::AutocastGuard> amp;
   if (autocast_) amp.emplace(*autocast_);
   return task_->loss(x, y, c_.fused_loss());
-}
-
-dtrain::WireStats Trainer::wire_now() const {
-  dtrain::WireStats w;
-  if (comm_) w = dtrain::wire_stats(*comm_);
-  for (const auto& group : hybrid_groups_) w += dtrain::wire_stats(*group);
-  return w;
 }
 
 // One all-gather of each rank's loss, peak RSS, model state, stop signal (every rank then

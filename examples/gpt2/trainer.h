@@ -91,9 +91,6 @@ class Trainer {
   bool rank0() const { return info_.rank == 0; }
   void say(const std::string& text) { report_.say(text); }
   void sync_device();
-  // What this rank sent through its communicators so far (the world's, and HYBRID_SHARD's
-  // groups): the step's bytes on the wire are the difference of two readings.
-  dtrain::WireStats wire_now() const;
 
   Config c_;
   dtrain::LaunchInfo info_;
@@ -102,8 +99,7 @@ class Trainer {
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<dtrain::Store> store_;
   dtrain::CommunicatorPtr comm_;
-  dtrain::CommunicatorOptions comm_options_;            // the world's; the hybrid groups' too
-  std::vector<dtrain::CommunicatorPtr> hybrid_groups_;  // --sharding hybrid: shard, replicate
+  dtrain::CommunicatorOptions comm_options_;  // the world's; the hybrid groups' too
   std::unique_ptr<Tokenizer> tokenizer_;
   int64_t token_ids_ = 0;  // the tokenizer's ids (GPT-2's 50257 without a vocabulary)
   TokenView train_tokens_, val_tokens_;

@@ -325,7 +325,6 @@ void Trainer::setup_model_and_strategy() {
                                                  info_.communicator_options(comm_options_));
         o.shard_group = groups.shard_group;
         o.replicate_group = groups.replicate_group;
-        hybrid_groups_ = {groups.shard_group, groups.replicate_group};
       }
       strategy_ = std::make_shared<dtrain::FullyShardedDataParallel>(module, comm_, o);
       details =

@@ -408,8 +408,9 @@ HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int worl
 
 // The communicator of this rank's host for FsdpOptions::host_group, with hosts as
 // `local_world_size` consecutive ranks (the launcher's numbering: LOCAL_WORLD_SIZE ranks per
-// host); connects through `store`. Every rank calls it. Throws InvalidArgument unless
-// local_world_size divides world_size.
+// host); connects through `store` under the name `<options.name>/host_group<h>` (apart from
+// the keys of the world communicator's own per-host groups). Every rank calls it. Throws
+// InvalidArgument unless local_world_size divides world_size.
 CommunicatorPtr make_host_group(std::shared_ptr<Store> store, int rank, int world_size,
                                 int local_world_size, const CommunicatorOptions& options = {});
 

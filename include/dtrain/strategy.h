@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "dtrain/communicator.h"
+#include "dtrain/wire_stats.h"
 
 namespace torch::nn {
 class Module;
@@ -50,6 +51,15 @@ struct StepStats {
   double comm_wait_s = 0;       // time the caller waited on communication (FSDP: also its gathers)
   double comm_total_s = 0;      // summed duration of the step's collectives
   int64_t num_collectives = 0;  // collectives issued by the step (DDP: buckets)
+  // Bytes on the wire (dtrain/wire_stats.h): what this rank's transports sent in the step,
+  // per collective kind, to ranks of its own host and of other hosts, counted where they
+  // send. The difference of wire_stats() readings, summed over every communicator the
+  // strategy uses (FSDP: also its shard, replicate and host groups), from the start of
+  // forward() to the end of backward(), plus what grad_norm() / clip_grad_norm() send after
+  // it (FSDP's norm all-reduce). Collectives the caller issues on those communicators between
+  // forward() and backward() count too. A step with gradient sync off counts its forward and
+  // step agreement. wire.counted is false where nothing is counted (NCCL, SingleDevice).
+  WireStats wire;
 };
 
 // A tensor the optimizer steps, with the module parameter it belongs to: what optimizer

@@ -19,6 +19,7 @@
 #include "strategy/module_sync.h"
 #include "strategy/state_layout.h"
 #include "strategy/step_sync.h"
+#include "strategy/step_wire.h"
 
 namespace dtrain {
 namespace {
@@ -111,6 +112,7 @@ class DataParallel::Reducer {
   std::exception_ptr hook_error_;  // a comm hook threw while issuing: collectives out of step
   Clock::time_point first_launch_;
   StepSync steps_;
+  StepWire wire_;  // StepStats::wire: from a training forward's start to backward's end
 };
 
 DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
@@ -118,7 +120,8 @@ DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, Commun
     : module_(std::move(module)),
       comm_(std::move(comm)),
       options_(std::move(options)),
-      steps_(comm_, "DataParallel") {
+      steps_(comm_, "DataParallel"),
+      wire_({comm_}) {
   if (!comm_) throw InvalidArgument("DataParallel: communicator is null");
   if (!module_) throw InvalidArgument(ctx("DataParallel()"), "module is null");
   if (options_.bucket_cap_mb <= 0 || options_.first_bucket_cap_mb <= 0) {
@@ -222,9 +225,11 @@ void DataParallel::Reducer::ensure_grad_views() {
 }
 
 void DataParallel::Reducer::begin_forward(bool gradient_sync) {
-  sync_ = gradient_sync;         // the bucket rebuild and a failed forward read it
-  steps_.start_step("forward");  // first: a rank that called finish() meets this one here
+  sync_ = gradient_sync;  // the bucket rebuild and a failed forward read it
   training_forward_ = c10::GradMode::is_enabled();
+  // Before the step's first collective; an evaluation forward leaves the stats alone.
+  if (training_forward_) wire_.start();
+  steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   try {
     if (iteration_ == 1 && options_.rebuild_buckets && !rebuilt_ && sync_) {
       rebuild_from_ready_order();
@@ -268,6 +273,7 @@ void DataParallel::Reducer::forward_failed(std::exception_ptr error) {
   } catch (...) {
     // broken: the sticky error is thrown by the next call; forward() rethrows `error` now
   }
+  if (training_forward_) stats_.wire = wire_.finish();  // what the failed step sent
   if (!steps_.broken()) reset_after_failure();
 }
 
@@ -438,6 +444,7 @@ void DataParallel::Reducer::backward(const at::Tensor& loss, bool gradient_sync)
   sync_ = gradient_sync;
   steps_.check_usable("backward");
   ensure_grad_views();
+  if (!wire_.started()) wire_.start();  // a loss computed outside forward()
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_ = StepStats{};
@@ -472,7 +479,9 @@ void DataParallel::Reducer::backward(const at::Tensor& loss, bool gradient_sync)
     }
   }
   const auto done = Clock::now();
-  if (auto outcome = steps_.agree(StepSync::Point::kBackwardEnd, "backward", failure)) {
+  auto outcome = steps_.agree(StepSync::Point::kBackwardEnd, "backward", failure);
+  stats_.wire = wire_.finish();
+  if (outcome) {
     reset_after_failure();
     std::rethrow_exception(outcome);
   }

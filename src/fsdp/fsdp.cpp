@@ -116,6 +116,7 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
     throw InvalidArgument(ctx("FullyShardedDataParallel()"), "limit_all_gathers must be >= 1");
   }
   fsdp::UnitComms comms = make_comms(comm_, options_, ctx("FullyShardedDataParallel()"));
+  wire_ = StepWire({comm_, comms.shard, comms.replicate, comms.host});
   if (comms.shard) {
     shard_size_ = comms.shard->world_size();
     shard_rank_ = comms.shard->rank();
@@ -242,6 +243,7 @@ void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
   if (active != nullptr && active != schedule_.get()) {
     throw InvalidArgument(ctx("forward"), "another FSDP forward is running on this thread");
   }
+  wire_.start();                 // before the step's first collective
   steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   training_forward_ = c10::GradMode::is_enabled();
   schedule_->set_gradient_sync(gradient_sync);
@@ -267,7 +269,12 @@ void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
   schedule_->end_forward(*comm_);
   if (!training_forward_) {
     // An evaluation forward has no backward: its outcome is agreed here.
-    if (auto failure = steps_.agree(StepSync::Point::kForwardEnd, "forward", nullptr)) {
+    auto failure = steps_.agree(StepSync::Point::kForwardEnd, "forward", nullptr);
+    {
+      std::lock_guard<std::mutex> lock(schedule_->mutex());
+      schedule_->stats().wire = wire_.finish();
+    }
+    if (failure) {
       reset_after_failure();  // as the failing rank does: unit states must match for the next step
       std::rethrow_exception(failure);
     }
@@ -354,7 +361,9 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
   }
   s.end_backward();
   const auto done = Clock::now();
-  if (auto outcome = steps_.agree(StepSync::Point::kBackwardEnd, "backward", failure)) {
+  auto outcome = steps_.agree(StepSync::Point::kBackwardEnd, "backward", failure);
+  s.stats().wire = wire_.finish();
+  if (outcome) {
     reset_after_failure();
     std::rethrow_exception(outcome);
   }

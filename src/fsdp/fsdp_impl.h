@@ -18,6 +18,7 @@
 #include "fsdp/schedule.h"
 #include "fsdp/sequential_units.h"
 #include "strategy/step_sync.h"
+#include "strategy/step_wire.h"
 
 namespace dtrain {
 
@@ -73,6 +74,9 @@ class FullyShardedDataParallel::Impl {
   std::map<std::string, c10::ScalarType> buffer_dtypes_;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffer_copies_;  // (module buffer, copy)
   StepSync steps_;
+  // StepStats::wire over the world's communicator and the units' groups (shard, replicate,
+  // host), from forward()'s start to backward()'s end, plus grad_norm()'s all-reduce.
+  StepWire wire_;
   bool training_forward_ = false;  // the running forward() has grad mode on
 };
 

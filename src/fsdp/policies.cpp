@@ -49,7 +49,9 @@ CommunicatorPtr make_host_group(std::shared_ptr<Store> store, int rank, int worl
                                            local_world_size, world_size));
   }
   CommunicatorOptions host = options;
-  host.name = fmt::format("{}/host{}", options.name, rank / local_world_size);
+  // Not "<name>/host<h>": the world's hierarchical transport keeps its per-host segments
+  // under those keys, and across hosts a host group of that name joined the world's segment.
+  host.name = fmt::format("{}/host_group{}", options.name, rank / local_world_size);
   return make_communicator(std::move(store), rank % local_world_size, local_world_size, host);
 }
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -24,7 +25,12 @@ double FullyShardedDataParallel::Impl::grad_norm() {
   }
   if (const auto& shard = schedule_->comms().shard) {
     // Shards are disjoint and padding holds zeros: the global sum is the sum of the parts.
+    const WireStats before = wire_.read();
     sq = ControlPlane(*shard).all_reduce_value(sq, ReduceOp::kSum);
+    // Part of the step that backward() ended (StepStats::wire).
+    const WireStats sent = wire_.read().since(before);
+    std::lock_guard<std::mutex> lock(schedule_->mutex());
+    schedule_->stats().wire += sent;
   }
   return std::sqrt(sq);
 }

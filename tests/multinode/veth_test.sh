@@ -3,8 +3,11 @@
 # address and no route to anything else. Runs gpt2_train as 2 hosts x 2 ranks through
 # `dtrain-run --nnodes 2` for DDP, FSDP FULL_SHARD and HYBRID_SHARD and checks that the
 # per-step losses equal the same 4-rank job on one host (fp32, 1e-6 relative) and that only
-# the two-host jobs count bytes on the wire to another host; then the
-# launch mistakes a user makes across hosts, each with its message and a bounded time.
+# the two-host jobs count bytes on the wire to another host; then each option for slow
+# networks across the two hosts (PowerSGD, int8 gradients under DDP and FSDP, int8
+# parameters, resharding within the host after forward): the run finishes, its losses are
+# finite and close to the uncompressed run's, and it sends fewer bytes between hosts; then
+# the launch mistakes a user makes across hosts, each with its message and a bounded time.
 # Usage: veth_test.sh path/to/dtrain-run path/to/gpt2_train path/to/dtrain_test_worker
 # Exit 77 (ctest: skipped) when namespaces cannot be created here (needs root / CAP_NET_ADMIN).
 set -u
@@ -81,21 +84,18 @@ wire_bytes() {
   fi
 }
 
-port=29000
-for case in "ddp:--strategy=ddp" "fsdp_full:--strategy=fsdp --sharding=full" \
-  "fsdp_hybrid:--strategy=fsdp --sharding=hybrid"; do
-  name="${case%%:*}"
-  flags="${case#*:}"
+# two_hosts NAME FLAGS...: gpt2_train as 2 hosts x 2 ranks, metrics in $tmp/NAME.two.jsonl;
+# returns non-zero (after printing the logs) when a host's run failed.
+two_hosts() {
+  name="$1"
+  shift
   port=$((port + 1))
-  # shellcheck disable=SC2086
-  "$run" --nproc_per_node 4 -- "$train" $common $flags --metrics_out="$tmp/$name.one.jsonl" \
-    >"$tmp/$name.one.log" 2>&1 || { fail "$name: one-host run failed"; cat "$tmp/$name.one.log"; }
   for k in 0 1; do
     ns="$ns_a"
     [ "$k" -eq 1 ] && ns="$ns_b"
     # shellcheck disable=SC2086
     ip netns exec "$ns" "$run" --nnodes 2 --node_rank "$k" --nproc_per_node 2 \
-      --master_addr "$addr_a" --master_port "$port" -- "$train" $common $flags \
+      --master_addr "$addr_a" --master_port "$port" -- "$train" $common "$@" \
       --metrics_out="$tmp/$name.two.jsonl" >"$tmp/$name.host$k.log" 2>&1 &
     eval "pid$k=\$!"
   done
@@ -107,10 +107,74 @@ for case in "ddp:--strategy=ddp" "fsdp_full:--strategy=fsdp --sharding=full" \
   if [ "$s0" -ne 0 ] || [ "$s1" -ne 0 ]; then
     fail "$name: two-host run failed ($s0, $s1)"
     cat "$tmp/$name.host0.log" "$tmp/$name.host1.log"
-    continue
+    return 1
   fi
+}
+
+port=29000
+for case in "ddp:--strategy=ddp" "fsdp_full:--strategy=fsdp --sharding=full" \
+  "fsdp_hybrid:--strategy=fsdp --sharding=hybrid"; do
+  name="${case%%:*}"
+  flags="${case#*:}"
+  # shellcheck disable=SC2086
+  "$run" --nproc_per_node 4 -- "$train" $common $flags --metrics_out="$tmp/$name.one.jsonl" \
+    >"$tmp/$name.one.log" 2>&1 || { fail "$name: one-host run failed"; cat "$tmp/$name.one.log"; }
+  # shellcheck disable=SC2086
+  two_hosts "$name" $flags || continue
   same_losses "$name" "$tmp/$name.one.jsonl" "$tmp/$name.two.jsonl"
   wire_bytes "$name" "$tmp/$name.one.jsonl" "$tmp/$name.two.jsonl"
+done
+
+# close_losses NAME BASE RUN TOL: RUN has BASE's number of steps, every loss finite, and its
+# last loss within TOL (relative) of BASE's.
+close_losses() {
+  losses "$2" >"$tmp/la"
+  losses "$3" >"$tmp/lb"
+  n=$(wc -l <"$tmp/lb")
+  if [ "$n" -lt 5 ] || [ "$n" -ne "$(wc -l <"$tmp/la")" ]; then
+    fail "$1: $n steps, $(wc -l <"$tmp/la") uncompressed"
+    return
+  fi
+  if ! paste "$tmp/la" "$tmp/lb" | awk -v tol="$4" '
+      { if ($2 != $2 + 0 || $2 == "nan" || $2 == "inf" || $2 == "-inf") bad = 1; a = $1; b = $2 }
+      END { d = a - b; if (d < 0) d = -d; if (bad || d > tol * a) exit 1 }'; then
+    fail "$1: losses ($(tr '\n' ' ' <"$tmp/lb")) not finite or not within $4 of uncompressed ($(tr '\n' ' ' <"$tmp/la"))"
+  else
+    echo "ok: $1: losses finite, last $(tail -n 1 "$tmp/lb") vs uncompressed $(tail -n 1 "$tmp/la")"
+  fi
+}
+
+# fewer_inter_bytes NAME BASE RUN FIELD: the last step's FIELD (inter-host bytes) is lower in
+# RUN than in BASE, and counted in both.
+fewer_inter_bytes() {
+  base=$(last_field "$2" "$4")
+  got=$(last_field "$3" "$4")
+  if awk -v a="$base" -v b="$got" 'BEGIN { exit !(a + 0 > 0 && b + 0 > 0 && b + 0 < a + 0) }'; then
+    echo "ok: $1: $4 per step $got, uncompressed $base"
+  else
+    fail "$1: $4 per step $got, not below uncompressed $base"
+  fi
+}
+
+# Each option against its uncompressed two-host run above (ddp or fsdp_full): the last step
+# of 5 is compressed (PowerSGD after 2 plain steps), so its bytes show what the option saves.
+for case in \
+  "ddp_powersgd:ddp:wire_bytes_all_reduce_inter_host:--strategy=ddp --comm_hook=powersgd --powersgd_rank=1 --powersgd_start_iter=2" \
+  "ddp_int8_grads:ddp:wire_bytes_inter_host:--strategy=ddp --quantize_grads=int8" \
+  "fsdp_int8_grads:fsdp_full:wire_bytes_inter_host:--strategy=fsdp --sharding=full --quantize_grads=int8" \
+  "fsdp_int8_params:fsdp_full:wire_bytes_all_gather_inter_host:--strategy=fsdp --sharding=full --quantize_params=int8" \
+  "fsdp_reshard_host:fsdp_full:wire_bytes_all_gather_inter_host:--strategy=fsdp --sharding=full --reshard_after_forward=host"; do
+  name="${case%%:*}"
+  rest="${case#*:}"
+  base="${rest%%:*}"
+  rest="${rest#*:}"
+  field="${rest%%:*}"
+  flags="${rest#*:}"
+  [ -s "$tmp/$base.two.jsonl" ] || { fail "$name: no uncompressed $base run to compare with"; continue; }
+  # shellcheck disable=SC2086
+  two_hosts "$name" $flags || continue
+  close_losses "$name" "$tmp/$base.two.jsonl" "$tmp/$name.two.jsonl" 0.02
+  fewer_inter_bytes "$name" "$tmp/$base.two.jsonl" "$tmp/$name.two.jsonl" "$field"
 done
 
 # launch SLOT HOST NAME DTRAIN_RUN_ARGS...: starts dtrain-run in host HOST's namespace (0 or 1)
