@@ -49,7 +49,10 @@ CommunicatorPtr make_host_group(std::shared_ptr<Store> store, int rank, int worl
                                            local_world_size, world_size));
   }
   CommunicatorOptions host = options;
-  host.name = fmt::format("{}/host{}", options.name, rank / local_world_size);
+  // Not "<name>/host<k>": the world communicator's hierarchical transport (a job across
+  // hosts) names its own per-host shared-memory segment so, and the two would read each
+  // other's segment keys from the store.
+  host.name = fmt::format("{}/host_group{}", options.name, rank / local_world_size);
   return make_communicator(std::move(store), rank % local_world_size, local_world_size, host);
 }
 
