@@ -1,7 +1,9 @@
 #!/bin/sh
 # Two "hosts" on one machine: two network namespaces joined by a veth pair, each with its own
 # address and no route to anything else. Runs gpt2_train as 2 hosts x 2 ranks through
-# `dtrain-run --nnodes 2` for DDP, FSDP FULL_SHARD and HYBRID_SHARD and checks that the
+# `dtrain-run --nnodes 2` for DDP, FSDP FULL_SHARD, HYBRID_SHARD and FULL_SHARD with
+# --reshard_after_forward host (its host group next to the hierarchical transport's per-host
+# segment) and checks that the
 # per-step losses equal the same 4-rank job on one host (fp32, 1e-6 relative) and that only
 # the two-host jobs count bytes on the wire to another host; then the
 # launch mistakes a user makes across hosts, each with its message and a bounded time.
@@ -83,7 +85,8 @@ wire_bytes() {
 
 port=29000
 for case in "ddp:--strategy=ddp" "fsdp_full:--strategy=fsdp --sharding=full" \
-  "fsdp_hybrid:--strategy=fsdp --sharding=hybrid"; do
+  "fsdp_hybrid:--strategy=fsdp --sharding=hybrid" \
+  "fsdp_reshard_host:--strategy=fsdp --sharding=full --reshard_after_forward=host"; do
   name="${case%%:*}"
   flags="${case#*:}"
   port=$((port + 1))
