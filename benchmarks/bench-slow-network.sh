@@ -18,17 +18,17 @@
 # validation every VAL_EVERY steps. ddp runs STEPS steps; its validation loss at 80% of them
 # is the target. The others run EXTEND x STEPS steps (default 1.5), so that a setting slower
 # per step in loss can still reach the target; their loss "after the same steps" is the
-# validation at step STEPS. Writes under ${OUT:-benchmarks/results/slow-network}/
-# RATE/: SETTING.jsonl (gpt2_train's metrics), SETTING.log (its output and the link's tc
-# counters after the run), env.txt; then summarises every RATE folder there
-# (slow_network_summary.py): summary.csv, summary.json, tables.md. A setting can be rerun
-# alone; the summary takes the files present.
+# validation at step STEPS. Writes under ${OUT:-benchmarks/results/slow-network}/RATE/:
+# SETTING.jsonl (gpt2_train's metrics), SETTING.log (its output and the link's tc counters
+# after the run), env.txt (machine, load, flags; one entry per call); then summarises every
+# RATE folder there (slow_network_summary.py): summary.csv, summary.json, tables.md. A
+# setting can be rerun alone; the summary takes the files present.
 #
 # Environment: STEPS (50), VAL_EVERY (5; must divide STEPS and 80% of it), EXTEND (1.5),
-# VAL_BATCHES (2), BATCH (4 per rank), MODEL (tiny),
-# TOKENIZER (byte: 256 ids, see docs/strategies.md "Which option for which network"),
-# DATA (<repo>/data/sotu.txt; the token cache is written next to it), RUN_TIMEOUT (600 s
-# per run), POWERSGD_START (10), EXTRA (more gpt2_train flags), VETH_BURST.
+# VAL_BATCHES (2), BATCH (4 per rank), MODEL (tiny), TOKENIZER (byte: 256 ids; why in
+# docs/strategies.md, "Slow networks: which option for which network"), DATA
+# (<repo>/data/sotu.txt; the token cache is written next to it), RUN_TIMEOUT (600 s per
+# run), POWERSGD_START (10), EXTRA (more gpt2_train flags), VETH_BURST.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ $# -lt 1 ]; then
@@ -72,7 +72,9 @@ flags_of() {  # SETTING -> its gpt2_train flags
     ddp_int8) echo "--strategy=ddp --quantize_grads=int8" ;;
     ddp_bf16) echo "--strategy=ddp --quantize_grads=bf16" ;;
     fsdp) echo "--strategy=fsdp --sharding=full" ;;
-    fsdp_int8) echo "--strategy=fsdp --sharding=full --quantize_params=int8 --quantize_grads=int8" ;;
+    fsdp_int8)
+      echo "--strategy=fsdp --sharding=full --quantize_params=int8 --quantize_grads=int8"
+      ;;
     fsdp_host) echo "--strategy=fsdp --sharding=full --reshard_after_forward=host" ;;
     fsdp_int8_host)
       echo "--strategy=fsdp --sharding=full --quantize_params=int8 --quantize_grads=int8" \
@@ -108,16 +110,23 @@ veth_a="dsn$$va"
 veth_b="dsn$$vb"
 export OMP_NUM_THREADS=1
 {
+  echo "== settings: ${settings[*]}"
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "cpu: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(getconf _NPROCESSORS_ONLN) cores"
   echo "load average at start: $(cut -d" " -f1-3 /proc/loadavg)"
-  echo "link: rate ${VETH_RATE:-unlimited} each way (tc tbf, burst ${VETH_BURST:-256kb}), no delay"
+  if [ "$rate" = none ]; then
+    echo "link: unthrottled (no qdisc), no delay"
+  else
+    echo "link: rate $VETH_RATE each way (tc tbf, burst ${VETH_BURST:-256kb}), no delay"
+  fi
   echo "veth: $ns_a=$addr_a <-> $ns_b=$addr_b"
   echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo none)"
   echo "common flags: ${common[*]}"
   echo "steps: ddp $steps, the others $long_steps"
-} >"$out/env.txt"
-cat "$out/env.txt"
+} >"$out/env.call"
+cat "$out/env.call" >>"$out/env.txt" # one entry per call
+cat "$out/env.call"
+rm -f "$out/env.call"
 
 port=$((29700 + $$ % 200))
 for s in "${settings[@]}"; do

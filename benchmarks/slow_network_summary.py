@@ -164,9 +164,12 @@ def table(rate, rows):
         lines.append(
             f"| {LABELS[r['setting']]} | {fmt(r['time_to_target_s'], '.1f')}"
             f"{'' if r['time_to_target_s'] is not None else ' (not reached)'} "
-            f"| {fmt(r['steps_to_target'], 'd')} | {fmt(r['speedup'], '.2f')}x | {fmt(r['final_val_loss'], '.4f')} "
+            f"| {fmt(r['steps_to_target'], 'd')} | {fmt(r['speedup'], '.2f')}"
+            f"{'x' if r['speedup'] is not None else ''} "
+            f"| {fmt(r['final_val_loss'], '.4f')} "
             f"| {fmt(r['final_loss_diff_pct'], '+.2f')}% | {fmt(mb, '.2f')} "
-            f"| {fmt(r['bytes_reduction'], '.1f')}x | {fmt(r['step_time_s'], '.3f')} |")
+            f"| {fmt(r['bytes_reduction'], '.1f')}{'x' if r['bytes_reduction'] else ''} "
+            f"| {fmt(r['step_time_s'], '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
