@@ -3,10 +3,16 @@
 #include <algorithm>
 #include <cmath>
 
+#include "split_mix64.h"
+
 namespace gpt2 {
 
 double max_of(const std::vector<double>& values) {
   return values.empty() ? std::nan("") : *std::max_element(values.begin(), values.end());
+}
+
+int64_t sample_digest(int64_t sequence) {
+  return static_cast<int64_t>(SplitMix64(static_cast<uint64_t>(sequence)).next() >> 32);
 }
 
 namespace {

@@ -18,6 +18,11 @@ struct StepRecord {
   double loss = 0;       // mean over ranks of each rank's mean loss over its micro-batches
   double grad_norm = 0;  // global gradient norm before clipping
   int64_t tokens = 0;    // tokens of the global batch
+  // The sequences trained in the step and an order-free digest of their indices
+  // (sample_digest): this rank's, then (after the step's all-gather) summed over all ranks.
+  // Equal digests step by step mean the same samples, whatever the world size.
+  int64_t samples = 0;
+  int64_t samples_hash = 0;
   double step_time_s = 0;
   // The strategy's StepStats, summed over the step's micro-batches.
   double comm_wait_s = 0, comm_total_s = 0;
@@ -79,6 +84,11 @@ class EpochTotals {
   int64_t steps_ = 0, tokens_ = 0;
   StepRecord last_;
 };
+
+// A sequence's (its index in the corpus) 32-bit hash; a step's digest is the sum over its
+// sequences, independent of which rank read which and of their order. Sums stay exact in
+// the all-gather's doubles up to 2^21 sequences per step.
+int64_t sample_digest(int64_t sequence);
 
 // Largest value (NaN for none).
 double max_of(const std::vector<double>& values);

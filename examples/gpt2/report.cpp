@@ -70,6 +70,7 @@ void Reporter::write_step(const StepRecord& r) {
   j.add("loss", r.loss).add("val_loss", r.val_loss).add("grad_norm", r.grad_norm);
   j.add("tokens_per_s", r.tokens_per_s()).add("step_time_s", r.step_time_s);
   j.add("epoch_time_s", std::optional<double>());
+  j.add("samples", r.samples).add("samples_hash", r.samples_hash);
   j.add("peak_rss_mib", r.peak_rss_mib());
   j.add("peak_rss_mib_per_rank", r.peak_rss_mib_per_rank);
   j.add("model_state_mib", r.model_state_mib());

@@ -89,8 +89,11 @@ void Trainer::run() {
   if (const char* g = std::getenv("DTRAIN_GENERATION"); g != nullptr && *g != '\0') {
     labels.generation = std::atoll(g);
   }
-  // Under a launcher's restarts every generation resumes and adds its lines to the file.
-  const bool resuming = c_.resume && !dtrain::latest_checkpoint(c_.ckpt_dir).empty();
+  // Under a launcher's restarts every generation resumes and adds its lines to the file,
+  // also a generation after the first that starts afresh (no checkpoint was complete yet):
+  // the earlier generations' lines stay.
+  const bool resuming =
+      c_.resume && (!dtrain::latest_checkpoint(c_.ckpt_dir).empty() || labels.generation > 0);
   report_.start(std::move(labels), schedule.total_steps, schedule.epochs, c_.log_every,
                 c_.metrics_out, resuming);
   if (rank0() && !c_.profile_out.empty()) op_profile_ = std::make_unique<OpProfile>();
@@ -237,6 +240,11 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
 // (Strategy::set_requires_gradient_sync; DDP in its buckets, FSDP unsharded).
 double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
   Batch b = task_->load_batch(train_tokens_, *train_sampler_, micro_batch);
+  // The batch's sequences, as the sampler gave them to load_batch: the metrics' digest.
+  for (int64_t offset : train_sampler_->rank_offsets(micro_batch)) {
+    record.samples += 1;
+    record.samples_hash += sample_digest(offset / train_sampler_->options().seq_len);
+  }
   at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
   strategy_->set_requires_gradient_sync(last);
   at::Tensor loss = strategy_->forward([&] { return model_loss(x, y); });
@@ -259,14 +267,20 @@ at::Tensor Trainer::model_loss(const at::Tensor& x, const at::Tensor& y) {
 }
 
 // One all-gather of each rank's loss, peak RSS, model state, stop signal (every rank then
-// knows whether any rank was asked to stop) and CUDA peak (-1: none).
+// knows whether any rank was asked to stop), CUDA peak (-1: none) and samples (count and
+// digest).
 void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
   const double state_mib =
       static_cast<double>(strategy_->model_state_bytes(optimizer_state(*optimizer_))) / kMiB;
   std::optional<double> cuda_peak;
   if (device_.is_cuda()) cuda_peak = cuda_peak_mib(device_.index());
-  std::vector<double> mine = {local_loss, peak_rss_mib(), state_mib,
-                              static_cast<double>(stop_signal()), cuda_peak.value_or(-1)};
+  std::vector<double> mine = {local_loss,
+                              peak_rss_mib(),
+                              state_mib,
+                              static_cast<double>(stop_signal()),
+                              cuda_peak.value_or(-1),
+                              static_cast<double>(r.samples),
+                              static_cast<double>(r.samples_hash)};
   // This rank's bytes on the wire (exact in a double up to 2^53 bytes); summed below.
   const std::vector<double> wire = wire_values(r.wire);
   mine.insert(mine.end(), wire.begin(), wire.end());
@@ -283,7 +297,7 @@ void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
     out = out.cpu();
     all.assign(out.data_ptr<double>(), out.data_ptr<double>() + world * n);
   }
-  double loss_sum = 0;
+  double loss_sum = 0, samples = 0, samples_hash = 0;
   r.wire = dtrain::WireStats{};
   for (size_t i = 0; i < all.size(); i += mine.size()) {
     add_wire_values(r.wire, &all[i + mine.size() - kWireValues]);
@@ -292,7 +306,11 @@ void Trainer::gather_rank_values(double local_loss, StepRecord& r) {
     r.model_state_mib_per_rank.push_back(all[i + 2]);
     r.stop_signal = std::max(r.stop_signal, static_cast<int>(all[i + 3]));
     if (all[i + 4] >= 0) r.cuda_peak_mib_per_rank.push_back(all[i + 4]);
+    samples += all[i + 5];
+    samples_hash += all[i + 6];
   }
+  r.samples = static_cast<int64_t>(samples);
+  r.samples_hash = static_cast<int64_t>(samples_hash);
   r.loss = loss_sum / static_cast<double>(r.peak_rss_mib_per_rank.size());
 }
 

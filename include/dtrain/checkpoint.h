@@ -48,6 +48,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dtrain/strategy.h"
 
@@ -83,6 +84,12 @@ struct CheckpointOptions {
   // How long rank 0's background thread waits for the other ranks' files before it fails
   // the save (a rank died); at least as long as the slowest rank's write.
   std::chrono::milliseconds async_timeout = std::chrono::minutes(10);
+  // With async, the sharded form: the Checkpointer keeps the host copy's buffers after a
+  // write and copies the next save into them (when the pieces' sizes and dtypes match), so
+  // the step waits for a copy into memory already mapped rather than for the page faults of
+  // fresh memory, which cost more than the copy itself. Costs one host copy of this rank's
+  // state for the Checkpointer's life. false: the buffers are freed after each write.
+  bool keep_host_buffers = true;
 };
 
 // What a save or load did on this rank.
@@ -145,6 +152,8 @@ class Checkpointer {
   std::string dir_;
   CheckpointOptions options_;
   std::unique_ptr<Write> write_;
+  // The last background save's host copies, reused by the next (keep_host_buffers).
+  std::vector<at::Tensor> host_buffers_;
 };
 
 // The newest complete checkpoint directory in `dir`, or "" when there is none. Incomplete

@@ -145,6 +145,10 @@ CheckpointStats Checkpointer::wait() {
   if (!write_) return {};
   write_->thread.join();
   const std::unique_ptr<Write> w = std::move(write_);
+  if (options_.keep_host_buffers && w->job.copied && !w->job.full) {
+    // The written copy's buffers, for the next save to copy into (pages already mapped).
+    for (const ck::Piece& p : w->job.pieces) host_buffers_.push_back(p.data);
+  }
   const ck::Ranks ranks(w->job.comm);
   ranks.agreed("save_checkpoint: background write", [&] {
     if (w->error) throw CheckpointError(w->context(), message_of(w->error));
@@ -180,7 +184,8 @@ CheckpointStats Checkpointer::save(Strategy& strategy, torch::optim::Optimizer* 
     return stats;
   }
   auto w = std::make_unique<Write>();
-  w->job = ck::plan_save(dir_, strategy, optimizer, state, options_, /*copy=*/true);
+  w->job = ck::plan_save(dir_, strategy, optimizer, state, options_, /*copy=*/true, host_buffers_);
+  host_buffers_.clear();  // now the job's pieces: never written into while it writes
   w->timeout = options_.async_timeout;
   Write* raw = w.get();
   w->thread = std::thread([raw] { raw->run(); });

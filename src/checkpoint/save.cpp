@@ -39,6 +39,12 @@ at::Tensor host_copy(const at::Tensor& t) {
   return t.to(at::TensorOptions().device(at::kCPU), /*non_blocking=*/false, /*copy=*/true);
 }
 
+// `buffer` (a previous save's host copy) can take a copy of `t`.
+bool fits(const at::Tensor& buffer, const at::Tensor& t) {
+  return buffer.defined() && buffer.device().is_cpu() && buffer.is_contiguous() &&
+         buffer.scalar_type() == t.scalar_type() && buffer.sizes() == t.sizes();
+}
+
 // The manifest, without "files" (rank 0).
 Json manifest_of(const SaveJob& job, Strategy& strategy, const StateLayout& layout,
                  const OptimizerAdapter& opt, const std::vector<int64_t>& agreed,
@@ -155,7 +161,8 @@ std::vector<SafetensorsTensor> full_layout(const SaveJob& job, Json* pieces) {
 std::string error_file(int rank) { return fmt::format("rank{:05d}.error", rank); }
 
 SaveJob plan_save(const std::string& dir, Strategy& strategy, torch::optim::Optimizer* optimizer,
-                  const TrainingState& state, const CheckpointOptions& options, bool copy) {
+                  const TrainingState& state, const CheckpointOptions& options, bool copy,
+                  const std::vector<at::Tensor>& reuse) {
   StateLayout layout = strategy.state_layout();
   const Ranks ranks(layout.comm);
   if (options.keep < 1) throw InvalidArgument(ranks.ctx("save_checkpoint"), "keep must be >= 1");
@@ -245,7 +252,15 @@ SaveJob plan_save(const std::string& dir, Strategy& strategy, torch::optim::Opti
     // The copy a background save blocks the step for.
     ranks.agreed("save_checkpoint: copy", [&] {
       if (!job.full) {
-        for (Piece& p : job.pieces) p.data = host_copy(p.data);
+        for (size_t n = 0; n < job.pieces.size(); ++n) {
+          Piece& p = job.pieces[n];
+          if (n < reuse.size() && fits(reuse[n], p.data)) {
+            reuse[n].copy_(p.data);
+            p.data = reuse[n];
+          } else {
+            p.data = host_copy(p.data);
+          }
+        }
         return;
       }
       std::vector<Piece> whole;

@@ -61,8 +61,11 @@ struct SaveJob {
   }
 };
 
+// With copy, the sharded form: piece n is copied into reuse[n] where that is a CPU buffer
+// of its dtype and size (a previous save's copy), else into fresh memory.
 SaveJob plan_save(const std::string& dir, Strategy& strategy, torch::optim::Optimizer* optimizer,
-                  const TrainingState& state, const CheckpointOptions& options, bool copy);
+                  const TrainingState& state, const CheckpointOptions& options, bool copy,
+                  const std::vector<at::Tensor>& reuse = {});
 
 // Sharded: this rank's file and its sidecar (published atomically: rank 0 may be waiting
 // for it). A copied full-form job writes an empty sidecar on every rank, as its "done".

@@ -203,6 +203,41 @@ TEST(AsyncCheckpoint, FailedBackgroundWriteIsReportedWithRankAndCause) {
   EXPECT_EQ(latest_checkpoint(dir.path().string()), (dir.path() / "step_000000003").string());
 }
 
+// Background saves one after another copy into the previous save's host buffers
+// (keep_host_buffers, the default): each checkpoint still holds its own state, byte for byte
+// the directory a foreground save of that state writes, with the buffers kept or not, under
+// DDP and sharded FSDP.
+TEST(AsyncCheckpoint, SavesIntoKeptHostBuffersHoldTheirOwnState) {
+  const auto data = global_batches();
+  for (const bool keep : {true, false}) {
+    for (const RankSetup& setup : {RankSetup{"ddp2", "ddp", 2}, RankSetup{"fsdp2", "fsdp", 2}}) {
+      SCOPED_TRACE(setup.name + (keep ? " keep_host_buffers" : " fresh buffers"));
+      TempDir fg("ck_reuse_fg"), bg("ck_reuse_bg");
+      run_setup(setup, [&](Rank& rk) {
+        CheckpointOptions o;
+        o.keep = 5;
+        CheckpointOptions b = o;
+        b.async = true;
+        b.keep_host_buffers = keep;
+        Checkpointer ckpt(bg.path().string(), b);
+        for (int64_t step = 1; step <= 3; ++step) {
+          rk.step(data[static_cast<size_t>(step - 1)]);
+          save_checkpoint(fg.path().string(), *rk.strategy, rk.opt.get(), state_at(step), o);
+          ckpt.save(*rk.strategy, rk.opt.get(), state_at(step));
+        }
+        rk.step(data[0]);  // while the last write runs
+        ckpt.wait();
+      });
+      const auto a = tree_bytes(fg.path()), b = tree_bytes(bg.path());
+      ASSERT_EQ(a.size(), b.size());
+      for (const auto& [name, bytes] : a) {
+        ASSERT_TRUE(b.count(name) == 1) << name << " is missing";
+        EXPECT_TRUE(bytes == b.at(name)) << name << " differs";
+      }
+    }
+  }
+}
+
 // A second save while one is in flight waits for it; destroying the Checkpointer completes
 // the write in flight: both checkpoints are complete afterwards, and nothing is left over.
 TEST(AsyncCheckpoint, SecondSaveWaitsAndDestructorCompletesTheWrite) {

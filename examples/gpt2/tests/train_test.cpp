@@ -17,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -682,6 +683,52 @@ TEST(TrainerCheckpoint, GlobalBatchResumesAtAnotherWorldSize) {
                       {"--strategy=ddp", "--nproc=2", "--batch=1", "--global_batch=4"},
                       {"--strategy=single", "--batch=1", "--global_batch=4"},
                       {"--strategy=single", "--batch=4"}, kFp32Tolerance, 12);
+}
+
+// The data position is global (#32): an elastic run at world 4, then 2, then 3 (--batch 1,
+// --global_batch 12: --grad_accum 3, 6, 4), each generation resuming the previous one's last
+// checkpoint, trains in every step the same sequences as one process at --batch 12: the
+// step lines' sample digests equal the single-process run's step by step, across two epoch
+// ends (--steps_per_epoch 4), so no sequence is trained twice or skipped.
+TEST(TrainerCheckpoint, SamplesContinueAcrossWorldSizes) {
+  const std::string dir = temp_path("ck_samples");
+  std::filesystem::remove_all(dir);
+  const std::vector<std::string> shared = {"--steps_per_epoch=4", "--val_batches=1"};
+  RunResult reference = run_trainer(
+      "samples_reference",
+      with(with(common_args(), shared), {"--strategy=single", "--batch=12", "--steps=9"}));
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  ASSERT_EQ(reference.steps.size(), 9u) << reference.output;
+  std::vector<std::map<std::string, double>> elastic;
+  int64_t steps = 0;
+  for (const char* world : {"4", "2", "3"}) {
+    steps += 3;
+    RunResult gen = run_trainer(
+        fmt::format("samples_world{}", world),
+        with(with(common_args(), shared),
+             {"--strategy=ddp", fmt::format("--nproc={}", world), "--batch=1", "--global_batch=12",
+              fmt::format("--steps={}", steps), "--ckpt_dir=" + dir, "--resume"}));
+    ASSERT_EQ(gen.exit_code, 0) << gen.output;
+    if (steps > 3) {
+      ASSERT_NE(gen.output.find(fmt::format("resume: step {}", steps - 3)), std::string::npos)
+          << gen.output;
+    }
+    ASSERT_EQ(gen.steps.size(), 3u) << gen.output;
+    elastic.insert(elastic.end(), gen.steps.begin(), gen.steps.end());
+  }
+  std::set<double> distinct;
+  for (size_t i = 0; i < reference.steps.size(); ++i) {
+    EXPECT_EQ(reference.steps[i].at("samples"), 12.0) << "step " << i + 1;
+    EXPECT_EQ(elastic[i].at("step"), static_cast<double>(i + 1));
+    EXPECT_EQ(elastic[i].at("samples"), 12.0) << "step " << i + 1;
+    EXPECT_EQ(elastic[i].at("samples_hash"), reference.steps[i].at("samples_hash"))
+        << "step " << i + 1 << " (world " << elastic[i].at("world_size")
+        << ") trained other sequences than the single-process run's step " << i + 1;
+    distinct.insert(reference.steps[i].at("samples_hash"));
+  }
+  // Every step reads other sequences, or equal digests would prove little.
+  EXPECT_EQ(distinct.size(), reference.steps.size());
+  std::filesystem::remove_all(dir);
 }
 
 // A checkpoint written at a global batch of 2 is not resumed at 4: the data position would
