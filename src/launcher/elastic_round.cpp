@@ -25,7 +25,17 @@ std::string key(int round, const std::string& what) { return fmt::format("{}/{}"
 
 bool is_set(Store& store, const std::string& k) { return store.check({k}); }
 
-int64_t counter(Store& store, const std::string& k) { return store.add(k, 0); }
+int64_t counter(Store& store, const std::string& k) {
+  // Read, not add(k, 0): on etcd an add is a compare-and-swap that writes (a raft commit and
+  // an fsync), and the agents read their counters several times a second.
+  if (!store.check({k})) return 0;
+  const std::string v = store.get_string(k, kPeerKeyTimeout);
+  try {
+    return std::stoll(v);
+  } catch (const std::exception&) {
+    throw std::runtime_error(fmt::format("rendezvous key '{}' holds '{}', not a counter", k, v));
+  }
+}
 
 int64_t host_failures(Store& store, const std::string& host) {
   return counter(store, "host/" + host + "/failures");
@@ -177,7 +187,7 @@ Rendezvous::Result Rendezvous::join(int round) {
         previous_ended = true;
         last_change = now;  // the survivors of round - 1 get a whole last call
       }
-      const int64_t count = store_->add(key(round, "join"), 0);
+      const int64_t count = counter(*store_, key(round, "join"));
       if (count != last_count) {
         last_count = count;
         last_change = now;

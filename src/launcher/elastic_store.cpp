@@ -1,5 +1,5 @@
 // The agents' rendezvous store for dtrain-run --nnodes MIN:MAX: dtrain's TCP store at
-// master_addr:master_port, served by the agent on that host.
+// master_addr:master_port, served by the agent on that host; or etcd (--rdzv_backend etcd).
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/errors.h"
+#include "dtrain/etcd_store.h"
 #include "launcher/elastic.h"
 
 namespace dtrain::launcher {
@@ -52,6 +53,15 @@ std::shared_ptr<Store> make_agent_store(const std::string& host, int port, const
     so.is_server = false;
   }
   return make_tcp_store(so);
+}
+
+std::shared_ptr<Store> make_agent_etcd_store(const std::string& endpoints,
+                                             const std::string& run_id) {
+  EtcdStoreOptions eo;
+  eo.endpoints = endpoints;
+  eo.key_prefix = fmt::format("/dtrain/{}/agents/", run_id);
+  eo.timeout = std::chrono::seconds(60);
+  return make_etcd_store(eo);
 }
 
 }  // namespace dtrain::launcher
