@@ -42,6 +42,7 @@ if ! veth_hosts_up "de$$" >"$tmp/why"; then
   echo "SKIP: $(cat "$tmp/why")"
   exit 77
 fi
+# shellcheck disable=SC2154  # set by veth_hosts_up
 echo "hosts: a=$ns_a $addr_a, b=$ns_b $addr_b; rendezvous: $mode"
 
 fail() {
@@ -179,10 +180,13 @@ first=$(first_step 1 1)
 [ $(((first - 1) % 5)) -eq 0 ] || fail "job 1: generation 1's first step is $first, not one after a checkpoint"
 from=$(sed -n 's/.*resume: step [0-9]* from \([^ ]*\) (.*/\1/p' "$tmp/1.$survivor.out" \
   "$tmp/1.$survivor.err" | tail -n 1)
-[ -n "$from" ] && [ -d "$from" ] || fail "job 1: no checkpoint directory in generation 1's resume line"
+if [ -z "$from" ] || [ ! -d "$from" ]; then
+  fail "job 1: no checkpoint directory in generation 1's resume line"
+fi
 [ "$(basename "$from")" = "$(printf 'step_%09d' $((first - 1)))" ] ||
   fail "job 1: generation 1 resumed from $from, not the checkpoint of step $((first - 1))"
-mkdir -p "$tmp/ref_ckpt" && cp -r "$from" "$tmp/ref_ckpt/" || fail "cannot copy $from"
+mkdir -p "$tmp/ref_ckpt" || fail "cannot create $tmp/ref_ckpt"
+cp -r "$from" "$tmp/ref_ckpt/" || fail "cannot copy $from"
 # The reference: a plain launch of 2 ranks on one host, the same flags, from the copy.
 # shellcheck disable=SC2046
 "$run" --nproc_per_node 2 -- "$train" $(train_args $steps) --ckpt_dir="$tmp/ref_ckpt" \
