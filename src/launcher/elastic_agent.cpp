@@ -146,8 +146,10 @@ class Agent {
     auto last_check = start;
     store_lost_ = false;
     // etcd: a call that failed (an add whose answer was lost on the way) is tried again at
-    // the next check; only failures for heartbeat_timeout in a row lose the store.
+    // the next check; only failures for heartbeat_timeout in a row lose the store. Not inside
+    // end_generation: its steps are not idempotent, and a half-ended generation is not retried.
     std::optional<Clock::time_point> failing_since;
+    bool ending = false;
     auto stop_requested = [&]() -> bool {
       const auto now = Clock::now();
       if (store_lost_ || now - last_check < kMonitorEvery) return false;
@@ -165,6 +167,7 @@ class Agent {
               for (const auto& a : m.members) {
                 if (a.slot == slot) host = a.host;
               }
+              ending = true;
               end_generation(m.round, "lost", host,
                              fmt::format("no heartbeat from the agent of host {} for {} s", host,
                                          seconds(o_.heartbeat_timeout)));
@@ -175,12 +178,13 @@ class Agent {
         if (is_set(*store_, key(m.round, "ended"))) return true;
         if (static_cast<int>(m.members.size()) < o_.max_nodes &&
             counter(*store_, key(m.round + 1, "join")) > 0) {
+          ending = true;
           end_generation(m.round, "join", "", "an agent asks to join");
           return true;
         }
         failing_since.reset();
       } catch (const std::exception& e) {
-        if (o_.ranks_on_etcd) {
+        if (o_.ranks_on_etcd && !ending) {
           if (!failing_since) {
             failing_since = now;
             fmt::print(stderr, "{}: a call to etcd failed ({}); trying again for up to {} s\n",
