@@ -38,9 +38,9 @@ ABSL_FLAG(std::string, host_id, "",
 ABSL_FLAG(std::string, rdzv_id, "",
           "the job's id, the same on every node (torchrun's name; e.g. the Slurm job id). "
           "Elastic agents meet under it in the rendezvous store (default: none). With "
-          "--rdzv_backend etcd the ranks' keys live under /dtrain/<id>/ in etcd and the ranks "
-          "get it as TORCHELASTIC_RUN_ID; required there with more than one node, made up on "
-          "one node");
+          "--rdzv_backend etcd the ranks' keys live under /dtrain/<id>/ in etcd (elastic "
+          "agents' under /dtrain/<id>/agents/) and the ranks get it as TORCHELASTIC_RUN_ID; "
+          "required there with more than one node, made up on one node");
 ABSL_FLAG(double, rdzv_last_call_s, 5,
           "elastic: a round with at least MIN and fewer than MAX agents closes when nobody has "
           "joined for this long (torchrun's last_call_timeout)");
