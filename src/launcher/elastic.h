@@ -19,8 +19,10 @@
 // Generation N then runs until one agent ends it: add("N/over", 1) == 1 elects it, it sets
 // "N/ended" with the reason (a rank failed, an agent's heartbeat "N/hb/s" stopped for
 // heartbeat_timeout, a new agent asks to join, an agent was signalled), and advances
-// "round". Every member stops its ranks and joins round N+1. Keys carry the generation, so
-// an agent of an old generation only ever reads that its generation ended.
+// "round". An agent waiting in round N+1 also watches generation N's heartbeats and ends it
+// when none moved for heartbeat_timeout (all its agents are gone: nobody else would). Every member
+// stops its ranks and joins round N+1. Keys carry the generation, so an agent of an old generation
+// only ever reads that its generation ended.
 //
 // Failures per host ("host/<id>/failures"), counted when round N+1 closes: every member of
 // generation N whose host did not join round N+1 (lost) gets one; when none was lost and N

@@ -67,23 +67,9 @@ class Agent {
     return 1;
   }
 
-  // Ends generation `round` for every member, once: the first agent to call it says why.
-  // kind "rank" (a rank of `host` failed: a restart, counted against --max_restarts), "lost"
-  // (an agent's heartbeat stopped), "join" (an agent asks to join), "signal".
   void end_generation(int round, const std::string& kind, const std::string& host,
                       const std::string& reason) {
-    if (store_->add(key(round, "over"), 1) != 1) return;
-    fmt::print(stderr, "{}: ending generation {}: {}\n", o_.node.name, round, reason);
-    if (kind == "rank" || kind == "lost") {
-      const int64_t restarts = store_->add("restarts", 1);
-      if (restarts > o_.node.max_restarts) {
-        store_->set("failed", fmt::format("generation {} failed ({}) and no restart is left "
-                                          "(--max_restarts {}); giving up",
-                                          round, reason, o_.node.max_restarts));
-      }
-    }
-    store_->add("round", 1);
-    store_->set(key(round, "ended"), fmt::format("{}\n{}\n{}", kind, host, reason));
+    elastic::end_generation(*store_, o_, round, kind, host, reason);
   }
 
   // The first member picks the address where its rank 0 serves the ranks' store; every

@@ -4,7 +4,8 @@
 # agent serves anything the others need. Agent a (the first, which serves the store with
 # c10d) is killed: b goes on alone at the next generation within 30 s; a host coming back is
 # taken in at the one after (world 4); a stalled agent (a straggler of an old generation) is
-# left out of the next generation and taken in only after. The ranks are `sh -c` scripts
+# left out of the next generation and taken in only after; when every agent of a generation
+# is killed, a new agent ends that generation by its stopped heartbeats and goes on. The ranks are `sh -c` scripts
 # recording their variables.
 # Usage: elastic_etcd_test.sh path/to/dtrain-run
 # Exit 77 (ctest: skipped) when etcd is not installed.
@@ -161,9 +162,18 @@ wait_gen 40 4 4 || fail "host a was not taken back at generation 4 (world 4)"
 for r in 0 1; do [ "$(field 3 $r 5)" = b ] || fail "straggler a got rank $r of generation 3"; done
 [ "$(count_gen 5)" -eq 0 ] || fail "an unexpected generation 5"
 
+# Every agent of generation 4 is killed (a whole attempt lost; etcd keeps its keys), and a
+# new agent joins with the same id: it ends generation 4 once none of its heartbeats moved
+# for the timeout, instead of waiting for an end nobody would write, and runs generation 5.
+kill -KILL "$pa" "$pb"
+wait "$pa" "$pb" 2>/dev/null
+agent c
+pc=$pid
+wait_gen 40 5 2 || fail "no generation 5 on host c after every agent of generation 4 was killed"
+grep -q "ending generation 4: no heartbeat from any of its 2 agent(s)" "$tmp/c.err" ||
+  fail "c does not say generation 4's agents are gone"
+
 touch "$tmp/d/finish"
-finish "$pa" 30
-[ "$got" -eq 0 ] || fail "agent a exited $got, want 0"
-finish "$pb" 30
-[ "$got" -eq 0 ] || fail "agent b exited $got, want 0"
+finish "$pc" 30
+[ "$got" -eq 0 ] || fail "agent c exited $got, want 0"
 echo "elastic_etcd_test: passed (generation 1 started $took s after host a was killed)"
