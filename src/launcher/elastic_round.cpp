@@ -25,17 +25,7 @@ std::string key(int round, const std::string& what) { return fmt::format("{}/{}"
 
 bool is_set(Store& store, const std::string& k) { return store.check({k}); }
 
-int64_t counter(Store& store, const std::string& k) {
-  // Read, not add(k, 0): on etcd an add is a compare-and-swap that writes (a raft commit and
-  // an fsync), and the agents read their counters several times a second.
-  if (!store.check({k})) return 0;
-  const std::string v = store.get_string(k, kPeerKeyTimeout);
-  try {
-    return std::stoll(v);
-  } catch (const std::exception&) {
-    throw std::runtime_error(fmt::format("rendezvous key '{}' holds '{}', not a counter", k, v));
-  }
-}
+int64_t counter(Store& store, const std::string& k) { return store.add(k, 0); }
 
 int64_t host_failures(Store& store, const std::string& host) {
   return counter(store, "host/" + host + "/failures");

@@ -41,7 +41,7 @@ std::string key(int round, const std::string& what);
 // True when key is set in the store (never blocks).
 bool is_set(Store& store, const std::string& key);
 
-// The integer at key (0 when absent), without changing it (or writing it).
+// The integer at key (0 when absent), without changing it.
 int64_t counter(Store& store, const std::string& key);
 
 // The failure count of host `host`.
