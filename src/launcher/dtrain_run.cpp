@@ -30,16 +30,17 @@ ABSL_FLAG(std::string, nnodes, "1",
           "nodes in the job: N (a fixed set, each started with its --node_rank), or MIN:MAX "
           "for an elastic job: an agent per host joins a rendezvous at --master_addr:"
           "--master_port, and generations of MIN to MAX hosts follow one another as hosts fail "
-          "or join (docs/multinode.md, \"Elastic runs\")");
+          "or join (with --rdzv_backend etcd, in etcd instead; docs/multinode.md, \"Elastic "
+          "runs\")");
 ABSL_FLAG(std::string, host_id, "",
           "elastic: this host's name in messages and failure counts (default: the hostname); "
           "letters, digits, '.', '-', '_', ':'");
 ABSL_FLAG(std::string, rdzv_id, "",
           "the job's id, the same on every node (torchrun's name; e.g. the Slurm job id). "
           "Elastic agents meet under it in the rendezvous store (default: none). With "
-          "--rdzv_backend etcd the ranks' keys live under /dtrain/<id>/ in etcd and the ranks "
-          "get it as TORCHELASTIC_RUN_ID; required there with more than one node, made up on "
-          "one node");
+          "--rdzv_backend etcd the ranks' keys live under /dtrain/<id>/ in etcd (elastic "
+          "agents' under /dtrain/<id>/agents/) and the ranks get it as TORCHELASTIC_RUN_ID; "
+          "required there with more than one node, made up on one node");
 ABSL_FLAG(double, rdzv_last_call_s, 5,
           "elastic: a round with at least MIN and fewer than MAX agents closes when nobody has "
           "joined for this long (torchrun's last_call_timeout)");
@@ -65,8 +66,10 @@ ABSL_FLAG(int, max_restarts, 0,
           "with --nnodes MIN:MAX, failed generations of the whole job");
 ABSL_FLAG(std::string, rdzv_backend, "c10d",
           "where the job's store lives (torchrun's name): c10d (also static): the TCP store "
-          "rank 0 serves at --master_addr:--master_port, gone with rank 0's host; etcd: an "
-          "external etcd server at --rdzv_endpoint, which survives the loss of any host");
+          "rank 0 serves at --master_addr:--master_port, gone with rank 0's host (elastic: "
+          "the agents' store, served by the agent on --master_addr); etcd: an external etcd "
+          "server at --rdzv_endpoint, for the ranks and elastic agents alike, which survives "
+          "the loss of any host");
 ABSL_FLAG(std::string, rdzv_endpoint, "",
           "with --rdzv_backend etcd: host:port of the etcd server (several, comma-separated, "
           "for the members of an etcd cluster)");
@@ -115,7 +118,9 @@ rank of an old generation is refused by the new one's store.
 With --rdzv_backend etcd --rdzv_endpoint HOST:PORT --rdzv_id ID, the ranks meet through an
 external etcd server instead of a store served by rank 0 (DTRAIN_RDZV_BACKEND,
 DTRAIN_RDZV_ENDPOINT and TORCHELASTIC_RUN_ID in their environment), so the job's store
-survives the loss of any of its hosts, rank 0's included.
+survives the loss of any of its hosts, rank 0's included. Elastic agents then meet there
+too (keys under /dtrain/ID/agents/; no --master_addr needed): the job survives the loss of
+any host while MIN remain.
 
 GPUs: CUDA_VISIBLE_DEVICES is passed on unchanged, and each rank picks its GPU by dtrain's
 device contract (dtrain/rendezvous.h, LaunchInfo::cuda_device): GPU LOCAL_RANK, or 0 when
@@ -323,6 +328,15 @@ int main(int argc, char** argv) {
       // generation N get it with "/generation/N" appended.
       const char* token = std::getenv("DTRAIN_STORE_TOKEN");
       elastic.token = token != nullptr ? token : "";
+      const auto backend = options->environment.find("DTRAIN_RDZV_BACKEND");
+      if (backend != options->environment.end() && backend->second == "etcd") {
+        // Nothing the job needs lives in an agent: any host can be lost (docs/multinode.md).
+        elastic.ranks_on_etcd = true;
+        elastic.rdzv_id = options->environment.at("TORCHELASTIC_RUN_ID");
+        return dtrain::launcher::run_elastic(
+            elastic, dtrain::launcher::make_agent_etcd_store(
+                         options->environment.at("DTRAIN_RDZV_ENDPOINT"), elastic.rdzv_id));
+      }
       auto store = dtrain::launcher::make_agent_store(options->master_addr, options->master_port,
                                                       elastic.token, elastic.serves_store);
       return dtrain::launcher::run_elastic(

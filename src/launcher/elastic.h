@@ -13,12 +13,16 @@
 //   "N/members": the restart count and the member slots, in rank order. An agent not among
 //   them was too late (or left out) and joins round N+1, whose joining asks the running
 //   generation to make room (if it has fewer than MAX agents);
-// - the first member writes "N/master", where its rank 0 serves the ranks' store.
+// - the first member writes "N/master", where its rank 0 serves the ranks' store (not with
+//   ranks_on_etcd: the ranks of generation N then meet in etcd under /dtrain/<id>/N/, and no
+//   member hosts anything another needs).
 // Generation N then runs until one agent ends it: add("N/over", 1) == 1 elects it, it sets
 // "N/ended" with the reason (a rank failed, an agent's heartbeat "N/hb/s" stopped for
 // heartbeat_timeout, a new agent asks to join, an agent was signalled), and advances
-// "round". Every member stops its ranks and joins round N+1. Keys carry the generation, so
-// an agent of an old generation only ever reads that its generation ended.
+// "round". An agent waiting in round N+1 also watches generation N's heartbeats and ends it
+// when none moved for heartbeat_timeout (all its agents are gone: nobody else would). Every member
+// stops its ranks and joins round N+1. Keys carry the generation, so an agent of an old generation
+// only ever reads that its generation ended.
 //
 // Failures per host ("host/<id>/failures"), counted when round N+1 closes: every member of
 // generation N whose host did not join round N+1 (lost) gets one; when none was lost and N
@@ -58,6 +62,10 @@ struct ElasticOptions {
   std::chrono::milliseconds finish_wait = std::chrono::seconds(60);
   // True when this agent serves `store`: it then outlives the other members when it can.
   bool serves_store = false;
+  // The ranks meet through etcd (--rdzv_backend etcd: DTRAIN_RDZV_BACKEND in
+  // node.environment), so no member publishes a store address; MASTER_ADDR/MASTER_PORT are
+  // node.master_addr/master_port, which play no part then (as for a plain etcd launch).
+  bool ranks_on_etcd = false;
 };
 
 // Throws std::invalid_argument naming the bad option.
@@ -75,5 +83,13 @@ int run_elastic(const ElasticOptions& options, std::shared_ptr<Store> store);
 // job's single point of failure: when the host serving it is lost, the job ends.
 std::shared_ptr<Store> make_agent_store(const std::string& host, int port, const std::string& token,
                                         bool& serves);
+
+// The agents' store of --rdzv_backend etcd: the etcd server(s) at `endpoints`, keys under
+// "/dtrain/<run_id>/agents/" (the ranks' keys of generation N are under "/dtrain/<run_id>/N/").
+// Nothing of it lives in an agent, so the job survives the loss of any host; a dead agent is
+// found by its heartbeat key, which stops moving. Each call retries an unreachable etcd for
+// up to 60 s, then throws dtrain::TimeoutError.
+std::shared_ptr<Store> make_agent_etcd_store(const std::string& endpoints,
+                                             const std::string& run_id);
 
 }  // namespace dtrain::launcher

@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
@@ -66,23 +67,23 @@ class Agent {
     return 1;
   }
 
-  // Ends generation `round` for every member, once: the first agent to call it says why.
-  // kind "rank" (a rank of `host` failed: a restart, counted against --max_restarts), "lost"
-  // (an agent's heartbeat stopped), "join" (an agent asks to join), "signal".
   void end_generation(int round, const std::string& kind, const std::string& host,
                       const std::string& reason) {
-    if (store_->add(key(round, "over"), 1) != 1) return;
-    fmt::print(stderr, "{}: ending generation {}: {}\n", o_.node.name, round, reason);
-    if (kind == "rank" || kind == "lost") {
-      const int64_t restarts = store_->add("restarts", 1);
-      if (restarts > o_.node.max_restarts) {
-        store_->set("failed", fmt::format("generation {} failed ({}) and no restart is left "
-                                          "(--max_restarts {}); giving up",
-                                          round, reason, o_.node.max_restarts));
-      }
+    elastic::end_generation(*store_, o_, round, kind, host, reason);
+  }
+
+  // The first member picks the address where its rank 0 serves the ranks' store; every
+  // member reads it (bounded by kMasterTimeout).
+  void publish_and_read_master(const elastic::Membership& m, GenerationSpec& spec) {
+    if (m.me == 0) {
+      std::string addr = store_->network_address();
+      if (addr.empty()) addr = "127.0.0.1";
+      store_->set(key(m.round, "master"), fmt::format("{}:{}", addr, free_port()));
     }
-    store_->add("round", 1);
-    store_->set(key(round, "ended"), fmt::format("{}\n{}\n{}", kind, host, reason));
+    const std::string master = store_->get_string(key(m.round, "master"), kMasterTimeout);
+    const size_t colon = master.rfind(':');
+    spec.master_addr = master.substr(0, colon);
+    spec.master_port = std::stoi(master.substr(colon + 1));
   }
 
   GenerationOutcome run_generation_of(const elastic::Membership& m, bool null_stdin) {
@@ -96,15 +97,12 @@ class Agent {
     }
     const elastic::AgentInfo& me = m.members[m.me];
     try {
-      if (m.me == 0) {
-        std::string addr = store_->network_address();
-        if (addr.empty()) addr = "127.0.0.1";
-        store_->set(key(m.round, "master"), fmt::format("{}:{}", addr, free_port()));
+      if (o_.ranks_on_etcd) {
+        spec.master_addr = o_.node.master_addr;
+        spec.master_port = o_.node.master_port;
+      } else {
+        publish_and_read_master(m, spec);
       }
-      const std::string master = store_->get_string(key(m.round, "master"), kMasterTimeout);
-      const size_t colon = master.rfind(':');
-      spec.master_addr = master.substr(0, colon);
-      spec.master_port = std::stoi(master.substr(colon + 1));
     } catch (const std::exception& e) {
       GenerationOutcome lost;
       lost.stopped = true;
@@ -117,10 +115,11 @@ class Agent {
     spec.environment["DTRAIN_STORE_TOKEN"] = fmt::format("{}/generation/{}", o_.token, m.round);
     fmt::print(stderr,
                "{}: generation {}: host {} runs ranks {}..{} of {} ({} agent(s), restart {} of "
-               "{}); store {}:{}\n",
+               "{}); store {}\n",
                o_.node.name, m.round, me.host, spec.first_rank, spec.first_rank + me.nproc - 1,
                spec.world_size, m.members.size(), m.restarts, o_.node.max_restarts,
-               spec.master_addr, spec.master_port);
+               o_.ranks_on_etcd ? fmt::format("etcd /dtrain/<id>/{}/", m.round)
+                                : fmt::format("{}:{}", spec.master_addr, spec.master_port));
 
     // Heartbeats: this agent's counter goes up every interval; a peer's that has not moved
     // for heartbeat_timeout means its agent is gone (or cut off).
@@ -132,6 +131,11 @@ class Agent {
     auto last_beat = start - o_.heartbeat_interval;
     auto last_check = start;
     store_lost_ = false;
+    // etcd: a call that failed (an add whose answer was lost on the way) is tried again at
+    // the next check; only failures for heartbeat_timeout in a row lose the store. Not inside
+    // end_generation: its steps are not idempotent, and a half-ended generation is not retried.
+    std::optional<Clock::time_point> failing_since;
+    bool ending = false;
     auto stop_requested = [&]() -> bool {
       const auto now = Clock::now();
       if (store_lost_ || now - last_check < kMonitorEvery) return false;
@@ -149,6 +153,7 @@ class Agent {
               for (const auto& a : m.members) {
                 if (a.slot == slot) host = a.host;
               }
+              ending = true;
               end_generation(m.round, "lost", host,
                              fmt::format("no heartbeat from the agent of host {} for {} s", host,
                                          seconds(o_.heartbeat_timeout)));
@@ -159,10 +164,20 @@ class Agent {
         if (is_set(*store_, key(m.round, "ended"))) return true;
         if (static_cast<int>(m.members.size()) < o_.max_nodes &&
             counter(*store_, key(m.round + 1, "join")) > 0) {
+          ending = true;
           end_generation(m.round, "join", "", "an agent asks to join");
           return true;
         }
+        failing_since.reset();
       } catch (const std::exception& e) {
+        if (o_.ranks_on_etcd && !ending) {
+          if (!failing_since) {
+            failing_since = now;
+            fmt::print(stderr, "{}: a call to etcd failed ({}); trying again for up to {} s\n",
+                       o_.node.name, e.what(), seconds(o_.heartbeat_timeout));
+          }
+          if (now - *failing_since < o_.heartbeat_timeout) return false;
+        }
         fmt::print(stderr,
                    "{}: the rendezvous store is lost ({}); the ranks of generation {} go on, "
                    "but no generation can follow\n",

@@ -31,6 +31,49 @@ int64_t host_failures(Store& store, const std::string& host) {
   return counter(store, "host/" + host + "/failures");
 }
 
+void end_generation(Store& store, const ElasticOptions& o, int round, const std::string& kind,
+                    const std::string& host, const std::string& reason) {
+  if (store.add(key(round, "over"), 1) != 1) return;
+  fmt::print(stderr, "{}: ending generation {}: {}\n", o.node.name, round, reason);
+  if (kind == "rank" || kind == "lost") {
+    const int64_t restarts = store.add("restarts", 1);
+    if (restarts > o.node.max_restarts) {
+      store.set("failed", fmt::format("generation {} failed ({}) and no restart is left "
+                                      "(--max_restarts {}); giving up",
+                                      round, reason, o.node.max_restarts));
+    }
+  }
+  store.add("round", 1);
+  store.set(key(round, "ended"), fmt::format("{}\n{}\n{}", kind, host, reason));
+}
+
+void Rendezvous::watch_running(int previous, Clock::time_point now) {
+  if (watched_ != previous) {
+    if (!is_set(*store_, key(previous, "members"))) return;
+    std::istringstream m(store_->get_string(key(previous, "members"), kPeerKeyTimeout));
+    int restarts = 0;
+    m >> restarts;
+    beats_.clear();
+    for (int slot; m >> slot;) beats_[slot] = {-1, now};
+    watched_ = previous;
+  }
+  bool moved = false;
+  for (auto& [slot, seen] : beats_) {
+    const int64_t v = counter(*store_, key(previous, fmt::format("hb/{}", slot)));
+    if (v != seen.first) {
+      seen = {v, now};
+      moved = true;
+    } else if (now - seen.second < o_.heartbeat_timeout) {
+      moved = true;
+    }
+  }
+  if (moved || beats_.empty()) return;
+  end_generation(
+      *store_, o_, previous, "lost", "",
+      fmt::format("no heartbeat from any of its {} agent(s) for {} s", beats_.size(),
+                  std::chrono::duration_cast<std::chrono::seconds>(o_.heartbeat_timeout).count()));
+}
+
 AgentInfo parse_agent(int slot, const std::string& value) {
   const size_t nl = value.find('\n');
   AgentInfo a;
@@ -177,7 +220,7 @@ Rendezvous::Result Rendezvous::join(int round) {
         previous_ended = true;
         last_change = now;  // the survivors of round - 1 get a whole last call
       }
-      const int64_t count = store_->add(key(round, "join"), 0);
+      const int64_t count = counter(*store_, key(round, "join"));
       if (count != last_count) {
         last_count = count;
         last_change = now;
@@ -188,7 +231,10 @@ Rendezvous::Result Rendezvous::join(int round) {
         if (is_set(*store_, key(round, "members"))) continue;  // read the outcome at once
       }
       // A running generation may run for days: the join timeout counts from its end.
-      if (!previous_ended) give_up = now + o_.join_timeout;
+      if (!previous_ended) {
+        give_up = now + o_.join_timeout;
+        watch_running(round - 1, now);
+      }
       if (now > give_up) {
         throw std::runtime_error(fmt::format(
             "rendezvous: round {} did not close within {} s ({} agent(s) joined, at least {} "

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -46,6 +47,12 @@ int64_t counter(Store& store, const std::string& key);
 // The failure count of host `host`.
 int64_t host_failures(Store& store, const std::string& host);
 
+// Ends generation `round` for every member, once: the first agent to call it says why.
+// kind "rank" (a rank of `host` failed: a restart, counted against --max_restarts), "lost"
+// (an agent's heartbeat stopped), "join" (an agent asks to join), "signal".
+void end_generation(Store& store, const ElasticOptions& o, int round, const std::string& kind,
+                    const std::string& host, const std::string& reason);
+
 // Joins round `round`, or the first later one that is still open, and waits until it closes
 // (closing it when this agent is the first to see the rule met). Returns the membership, or
 // why the job has no place for this agent. Throws std::runtime_error when no round closes
@@ -67,6 +74,11 @@ class Rendezvous {
 
   // Closes `round` if the rule is met now and this agent wins the election.
   void try_close(int round, int64_t joined);
+  // Watches the heartbeats of running generation `previous` while this agent waits for it
+  // to end; ends it when none of its members' heartbeats moved for heartbeat_timeout (every
+  // agent of it is gone: e.g. a whole attempt killed and the job started again with the same
+  // id on etcd), which nobody else would.
+  void watch_running(int previous, Clock::time_point now);
   // Counts the failures of generation `previous` against hosts, once per generation.
   void count_failures(int previous, const std::vector<AgentInfo>& joined);
   std::vector<AgentInfo> read_agents(int round, int64_t count);
@@ -74,6 +86,10 @@ class Rendezvous {
 
   const ElasticOptions& o_;
   std::shared_ptr<Store> store_;
+  // watch_running's view: per member slot of the watched generation, its heartbeat count
+  // and when it last moved.
+  int watched_ = -1;
+  std::map<int, std::pair<int64_t, Clock::time_point>> beats_;
 };
 
 // Parses the "N/agent/S" value; throws std::runtime_error when malformed.

@@ -1,12 +1,17 @@
 // The agents' rendezvous store for dtrain-run --nnodes MIN:MAX: dtrain's TCP store at
-// master_addr:master_port, served by the agent on that host.
+// master_addr:master_port, served by the agent on that host; or etcd (--rdzv_backend etcd).
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <stdexcept>
+#include <string>
+#include <vector>
+
 #include <fmt/format.h>
 
 #include "dtrain/errors.h"
+#include "dtrain/etcd_store.h"
 #include "launcher/elastic.h"
 
 namespace dtrain::launcher {
@@ -28,6 +33,36 @@ bool is_local_host(const std::string& host) {
   freeaddrinfo(found);
   return local;
 }
+
+// The agents read their counters with add(key, 0) several times a second. On etcd an add is
+// a compare-and-swap that writes (a raft commit and an fsync) even for 0: read instead.
+class EtcdAgentStore : public Store {
+ public:
+  explicit EtcdAgentStore(std::shared_ptr<Store> etcd) : etcd_(std::move(etcd)) {}
+  void set(const std::string& key, const Bytes& value) override { etcd_->set(key, value); }
+  Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return etcd_->get(key, timeout);
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    if (delta != 0) return etcd_->add(key, delta);
+    if (!etcd_->check({key})) return 0;
+    const std::string v = etcd_->get_string(key, std::chrono::seconds(60));
+    try {
+      return std::stoll(v);
+    } catch (const std::exception&) {
+      throw std::runtime_error(
+          fmt::format("rendezvous key '{}' holds '{}', not a counter", key, v));
+    }
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    etcd_->wait(keys, timeout);
+  }
+  bool check(const std::vector<std::string>& keys) override { return etcd_->check(keys); }
+  std::string network_address() const override { return etcd_->network_address(); }
+
+ private:
+  std::shared_ptr<Store> etcd_;
+};
 
 }  // namespace
 
@@ -52,6 +87,15 @@ std::shared_ptr<Store> make_agent_store(const std::string& host, int port, const
     so.is_server = false;
   }
   return make_tcp_store(so);
+}
+
+std::shared_ptr<Store> make_agent_etcd_store(const std::string& endpoints,
+                                             const std::string& run_id) {
+  EtcdStoreOptions eo;
+  eo.endpoints = endpoints;
+  eo.key_prefix = fmt::format("/dtrain/{}/agents/", run_id);
+  eo.timeout = std::chrono::seconds(60);
+  return std::make_shared<EtcdAgentStore>(make_etcd_store(eo));
 }
 
 }  // namespace dtrain::launcher
