@@ -120,8 +120,9 @@ void init_from_hf_safetensors(const std::string& path, Gpt& model) {
   }
   size_t i = 0;
   for (auto& item : params) {
-    read_range(reader, *found[i++], item.key(), item.value().sizes().vec(), 0, item.value().numel(),
+    read_range(reader, *found[i], item.key(), item.value().sizes().vec(), 0, item.value().numel(),
                item.value().view({-1}));
+    reader.release(*found[i++]);  // the mapped copy would double the model in RSS
   }
 }
 
@@ -141,6 +142,9 @@ HfLoadStats load_hf_safetensors(const std::string& path, dtrain::Strategy& strat
     const StateSlice& s = layout.slices[i];
     if (found[i] == nullptr) continue;
     read_range(reader, *found[i], s.name, s.shape, s.begin, s.end, s.data);
+    // A Conv1D shard's strided reads map every page of the tensor: drop them, so the
+    // rank's RSS grows by its shard, not by the tensors it read from.
+    reader.release(*found[i]);
     if (s.end > s.begin) ++stats.tensors;
     stats.elements += s.end - s.begin;
   }
