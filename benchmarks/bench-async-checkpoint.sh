@@ -3,7 +3,10 @@
 # for the same state (#32): one gpt2_train run per model and mode, a checkpoint after every
 # step, the blocked time of each save read from the trainer's own lines ("checkpoint: step N
 # to DIR (... written in S s ...)" for a synchronous save, "checkpoint: step N copied in S s"
-# for a background one; the background write's own time is reported too).
+# for a background one, plus the time that save waited for the previous background write,
+# which blocks the step too; the background write's own time is reported as well).
+# A checkpoint every CKPT_EVERY steps (default 5): with saves closer together than a write
+# takes, each save waits for the previous one, and the wait is counted.
 #   benchmarks/bench-async-checkpoint.sh [build dir] [work dir]
 # MODELS (default "tiny gpt2-medium"), STEPS (default 4), STRATEGY (default single; fsdp with
 # NPROC 2 halves the memory per rank) choose the runs. gpt2-medium (355M) single needs about
@@ -15,12 +18,13 @@ BUILD=${1:-build}
 WORK=${2:-/tmp/dtrain-bench-async-checkpoint}
 TRAIN="$BUILD/examples/gpt2/gpt2_train"
 MODELS=${MODELS:-tiny gpt2-medium}
-STEPS=${STEPS:-4}
+CKPT_EVERY=${CKPT_EVERY:-5}
+STEPS=${STEPS:-$((3 * CKPT_EVERY))}
 STRATEGY=${STRATEGY:-single}
 NPROC=${NPROC:-1}
-COMMON="--strategy $STRATEGY --nproc $NPROC --data random --tokenizer byte --vocab 50257 --batch 1 --ctx 64 --steps $STEPS --warmup_steps 1 --sample_tokens 0 --val_batches 1 --log_every 1 --ckpt_every 1 --ckpt_keep 1"
+COMMON="--strategy $STRATEGY --nproc $NPROC --data random --tokenizer byte --vocab 50257 --batch 1 --ctx 64 --steps $STEPS --warmup_steps 1 --sample_tokens 0 --val_batches 1 --log_every 1 --ckpt_every $CKPT_EVERY --ckpt_keep 1"
 lscpu | sed -n 's/^Model name: *//p'
-echo "strategy $STRATEGY x $NPROC, $STEPS steps, a checkpoint after every step (the first save not counted)"
+echo "strategy $STRATEGY x $NPROC, $STEPS steps, a checkpoint every $CKPT_EVERY steps (the first save not counted)"
 echo "| model | mode | blocked per save (s) | background write (s) | step time (s) | state written (MiB) |"
 echo "| --- | --- | --- | --- | --- | --- |"
 mean_after_first() { awk 'NR > 1 { s += $1; n++ } END { if (n) printf "%.3f", s / n; else print "nan" }'; }
@@ -39,7 +43,8 @@ for model in $MODELS; do
       mib=$(sed -n 's/^checkpoint: step [0-9]* to .*(\([0-9.]*\) MiB written.*/\1/p' "$WORK/out" | tail -n1)
       sync_s=$blocked
     else
-      blocked=$(sed -n 's/^checkpoint: step [0-9]* copied in \([0-9.]*\) s on rank 0.*/\1/p' "$WORK/out" | mean_after_first)
+      blocked=$(sed -n 's/^checkpoint: step [0-9]* copied in \([0-9.]*\) s on rank 0 after \([0-9.]*\) s waiting.*/\1 \2/p' "$WORK/out" |
+        awk '{ print $1 + $2 }' | mean_after_first)
       written=$(sed -n 's/^checkpoint: .* written in the background ([0-9.]* MiB in \([0-9.]*\) s.*/\1/p' "$WORK/out" | mean_after_first)
       mib=$(sed -n 's/^checkpoint: .* written in the background (\([0-9.]*\) MiB.*/\1/p' "$WORK/out" | tail -n1)
       async_s=$blocked

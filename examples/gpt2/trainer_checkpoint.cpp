@@ -1,4 +1,5 @@
 // Checkpoints (--ckpt_dir, --resume: docs/checkpoints.md) and the weights export (--export).
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -82,7 +83,12 @@ std::string Trainer::save_checkpoint(int64_t step) {
     o.async = c_.ckpt_async;
     checkpointer_ = std::make_unique<dtrain::Checkpointer>(c_.ckpt_dir, o);
   }
-  wait_for_checkpoint();  // the previous background write, reported before the next starts
+  // The previous background write, reported before the next starts: a wait here blocks the
+  // step as much as the copy does, so the line below counts it.
+  const auto wait_start = std::chrono::steady_clock::now();
+  wait_for_checkpoint();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
   dtrain::TrainingState state;
   state.step = step;
   state.values["seed"] = std::to_string(c_.seed);
@@ -91,9 +97,9 @@ std::string Trainer::save_checkpoint(int64_t step) {
   const dtrain::CheckpointStats stats = checkpointer_->save(*strategy_, optimizer_.get(), state);
   if (c_.ckpt_async) {
     say(
-        fmt::format("checkpoint: step {} copied in {:.3f} s on rank 0, writing to {} in the "
-                    "background",
-                    step, stats.seconds, stats.path));
+        fmt::format("checkpoint: step {} copied in {:.3f} s on rank 0 after {:.3f} s waiting for "
+                    "the previous write, writing to {} in the background",
+                    step, stats.seconds, waited, stats.path));
   } else {
     say(fmt::format("checkpoint: step {} to {} ({:.1f} MiB written in {:.2f} s on rank 0)", step,
                     stats.path, static_cast<double>(stats.bytes) / kMiB, stats.seconds));
