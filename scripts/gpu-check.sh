@@ -22,6 +22,9 @@
 #              ddp and fsdp (full, grad_op, no_shard) on NCCL at world size 1; ddp and fsdp
 #              (full, grad_op, no_shard, hybrid) at 2 and 4 ranks with Gloo on CUDA tensors on
 #              the one GPU; each run's per-step loss within rtol 1e-3 of single's
+#   offload    FSDP --cpu_offload (issue 30) on NCCL at world size 1: the tiny model's per-step
+#              loss against single's (rtol 1e-3); GPT-2 350M (gpt2-medium), bf16, batch 4 x 1024,
+#              8 steps with and without --cpu_offload: cuda_peak_mib and tokens/s side by side
 #   gpt2       GPT-2 124M (--model gpt2), bf16, batch 16 x 1024, 30 steps: gpt2_train and
 #              PyTorch eager (benchmarks/gpu_gpt2.py, SDPA), tokens/s (median after 10 steps),
 #              MFU and cuda_peak_mib side by side
@@ -234,6 +237,31 @@ do_strategies() {
   return $bad
 }
 
+# The last step record's FIELD from a metrics file (the epoch's peak fields are there).
+last_field() {
+  [[ -n "${DRY:-}" ]] && { echo 0; return; }
+  "$python" -c "import json,sys
+rows=[r for r in map(json.loads, open(sys.argv[1])) if r.get('kind') == 'step']
+print(rows[-1].get(sys.argv[2], 'n/a'))" "$1" "$2"
+}
+
+do_offload() {
+  train_tiny nccl1-fsdp-offload 1 --strategy fsdp --sharding full --cpu_offload &&
+    compare_to_single nccl1-fsdp-offload || return 1
+  local mode
+  for mode in resident offload; do
+    run_dtrain "$(gpt2_train_bin)" --model gpt2-medium --device cuda --precision bf16 \
+      --data random --max_tokens $((10 * 4 * 1024 * 21 / 20)) --steps 8 --batch 4 \
+      --strategy fsdp --sharding full --sample_tokens 0 --log_every 1 \
+      $([[ $mode == offload ]] && echo --cpu_offload) \
+      --metrics_out "$out/runs/offload-$mode.jsonl" || return 1
+  done
+  for mode in resident offload; do
+    echo "offload $mode: cuda_peak_mib $(last_field "$out/runs/offload-$mode.jsonl" cuda_peak_mib)" \
+      "tokens_per_s $(last_field "$out/runs/offload-$mode.jsonl" tokens_per_s)"
+  done
+}
+
 do_gpt2() {
   local batch=16 steps=30
   run_dtrain "$(gpt2_train_bin)" --model gpt2 --device cuda --precision bf16 --data random \
@@ -269,6 +297,11 @@ write_results() {
     grep -E '^\{"match"' "$out/logs/strategies.log" 2>/dev/null
     echo '```'
     echo
+    echo '## FSDP CPU offload (gpt2-medium, bf16, world 1)'
+    echo '```'
+    grep -E '^\{"match"|^offload ' "$out/logs/offload.log" 2>/dev/null
+    echo '```'
+    echo
     echo '## GPT-2 124M, bf16'
     echo '```'
     grep -E '^\{"flops_per_token"|^\||goal' "$out/logs/gpt2.log" 2>/dev/null
@@ -285,8 +318,9 @@ if step configure 90 do_configure && step build 330 do_build; then
   step tests 60 do_tests
   step strategies 150 do_strategies
   step gpt2 120 do_gpt2
+  step offload 120 do_offload
 else
-  for s in tests strategies gpt2; do
+  for s in tests strategies gpt2 offload; do
     printf '%s\tskipped\t0\tthe build failed\n' "$s" >> "$out/summary.tsv"
   done
 fi
