@@ -5,8 +5,11 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -133,18 +136,21 @@ TEST(FsdpStepWire, CountsEveryCommunicatorItUsesTheHostGroupIncluded) {
   at::set_num_threads(1);
   const std::vector<std::string> hosts = {"A", "A", "B", "B"};
   auto store = make_memory_store();
+  std::atomic<uint64_t> reduce_scatter_inter{0};
   run_threads(4, [&](int r) {
     // The world's default name: across hosts its hierarchical transport keeps per-host
     // segments under "default/host<h>", which make_host_group's group once collided with.
     CommunicatorPtr world = make_host_communicator(store, r, hosts);
     CommunicatorPtr host = make_host_group(store, r, 4, 2);
     torch::manual_seed(2);
-    auto model = Mlp(8, 16, 4);
+    // Units as entries of a Sequential, which FSDP runs through unit_call itself.
+    torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                                torch::nn::Linear(16, 4));
     FsdpOptions o;
     o.reshard_after_forward = ReshardAfterForward::kHost;
     o.host_group = host;
     o.wrap_policy = [](const std::string& name, const torch::nn::Module&) {
-      return name == "fc1" || name == "fc2";
+      return name == "0" || name == "2";
     };
     FullyShardedDataParallel fsdp(model.ptr(), world, o);
     for (int step = 0; step < 3; ++step) {
@@ -161,10 +167,12 @@ TEST(FsdpStepWire, CountsEveryCommunicatorItUsesTheHostGroupIncluded) {
       DTRAIN_CHECK(host_sent.all_gather.intra_host > 0 && host_sent.total().inter_host == 0,
                    "{}: the host group sent all_gather intra {}, inter {} in all", what,
                    host_sent.all_gather.intra_host, host_sent.total().inter_host);
-      // The world's all-gathers and reduce-scatters cross hosts.
-      DTRAIN_CHECK(sent.reduce_scatter.inter_host > 0, "{}: no inter-host reduce-scatter", what);
+      reduce_scatter_inter += sent.reduce_scatter.inter_host;
     }
   });
+  // The world's reduce-scatters cross hosts (from the host leaders: the hierarchical
+  // transport sums inside a host first, so a host's other ranks may send nothing across).
+  EXPECT_GT(reduce_scatter_inter.load(), 0u);
 }
 
 // A single device sends nothing and counts nothing: counted is false (metrics: null).
