@@ -67,8 +67,9 @@ common_pkgs=(
   python3
 )
 case "$flavour" in
-  # etcd-server: the etcd store's tests start a real etcd (3.5 in trixie).
-  cpu) pkgs=("${common_pkgs[@]}" libtorch-dev libgloo-dev python3-torch etcd-server) ;;
+  # etcd-server: the etcd store's tests start a real etcd (3.5 in trixie); etcd-client:
+  # their scripts probe it and read its keys with etcdctl (only recommended by the server).
+  cpu) pkgs=("${common_pkgs[@]}" libtorch-dev libgloo-dev python3-torch etcd-server etcd-client) ;;
   cuda) pkgs=("${common_pkgs[@]}" libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit libnccl-dev) ;;
   *) die "unknown flavour '$flavour' (cpu or cuda)" ;;
 esac

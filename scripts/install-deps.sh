@@ -22,6 +22,8 @@ PKGS=(
   # etcd: the etcd store's tests start a real server (the etcd executable, on free ports);
   # the package's own service, where systemd runs it, is not used.
   etcd-server
+  # etcdctl: the elastic tests probe the server and read the agents' keys with it.
+  etcd-client
   # fetch-data.sh downloads the example's data with the machine's npm client (not an apt
   # package here: the machine provides it, configured for its registry).
   ca-certificates
