@@ -93,3 +93,20 @@ veth_hosts_down() {
   done
   return 0
 }
+
+# veth_test_hosts PREFIX: for a test script with a scratch directory $tmp: brings the two
+# hosts up, and at exit kills the script's background jobs, removes the hosts and $tmp; or,
+# when they cannot be made here (no root, no ip), exits 77 (ctest: skipped) saying why.
+veth_test_hosts() {
+  # shellcheck disable=SC2317  # called by the trap
+  veth_test_cleanup() {
+    for p in $(jobs -p); do kill -9 "$p" 2>/dev/null; done
+    veth_hosts_down
+    rm -rf "$tmp"
+  }
+  trap veth_test_cleanup EXIT
+  if ! veth_hosts_up "$1" >"$tmp/why"; then
+    echo "SKIP: $(cat "$tmp/why")"
+    exit 77
+  fi
+}

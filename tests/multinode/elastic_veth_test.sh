@@ -30,18 +30,7 @@ tmp="$(mktemp -d)"
 # shellcheck source=../../scripts/veth-hosts.sh
 . "$(dirname "$0")/../../scripts/veth-hosts.sh"
 
-# shellcheck disable=SC2317  # called by the trap
-cleanup() {
-  for p in $(jobs -p); do kill -9 "$p" 2>/dev/null; done
-  veth_hosts_down
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-if ! veth_hosts_up "de$$" >"$tmp/why"; then
-  echo "SKIP: $(cat "$tmp/why")"
-  exit 77
-fi
+veth_test_hosts "de$$"
 # shellcheck disable=SC2154  # set by veth_hosts_up
 echo "hosts: a=$ns_a $addr_a, b=$ns_b $addr_b; rendezvous: $mode"
 

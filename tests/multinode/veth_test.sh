@@ -19,17 +19,7 @@ failures=0
 # shellcheck source=../../scripts/veth-hosts.sh
 . "$(dirname "$0")/../../scripts/veth-hosts.sh"
 
-cleanup() {
-  for p in $(jobs -p); do kill -9 "$p" 2>/dev/null; done
-  veth_hosts_down
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-if ! veth_hosts_up "dt$$" >"$tmp/why"; then
-  echo "SKIP: $(cat "$tmp/why")"
-  exit 77
-fi
+veth_test_hosts "dt$$"
 net="$veth_net.0"
 echo "hosts: $ns_a=$addr_a $ns_b=$addr_b"
 
