@@ -309,6 +309,12 @@ void Trainer::setup_model_and_strategy() {
       if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost) {
         check(store_ != nullptr,
               "--reshard_after_forward host needs several ranks (a launched job)");
+      }
+      // Quantised gradients across hosts go in two levels over the host group.
+      const bool across_hosts = store_ != nullptr && info_.local_world_size > 1 &&
+                                info_.local_world_size < info_.world_size;
+      if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost ||
+          (c_.quantize_grads != dtrain::Quantization::kNone && across_hosts)) {
         // Hosts as the launcher numbers them: LOCAL_WORLD_SIZE consecutive ranks.
         o.host_group =
             dtrain::make_host_group(store_, info_.rank, info_.world_size, info_.local_world_size,
@@ -335,6 +341,14 @@ void Trainer::setup_model_and_strategy() {
       }
       if (c_.quantize_grads != dtrain::Quantization::kNone) {
         details += fmt::format(", gradients {} on the wire", to_string(c_.quantize_grads));
+        const int shard_size =
+            o.sharding == dtrain::ShardingStrategy::kHybridShard ? o.shard_group->world_size()
+            : o.sharding == dtrain::ShardingStrategy::kNoShard   ? 1
+                                                                 : info_.world_size;
+        if (across_hosts && info_.local_world_size < shard_size) {
+          details += fmt::format(" (summed in fp32 within hosts of {} ranks first)",
+                                 info_.local_world_size);
+        }
       }
       if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost) {
         details += fmt::format(", resharded after forward within hosts of {} ranks",

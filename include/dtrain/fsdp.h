@@ -147,9 +147,16 @@ struct FsdpOptions {
   // no parameters (ParamsInBackward::kNotRead) and forwards without grad mode (nothing to
   // gather for) free the unit fully under kHost too.
   std::optional<ReshardAfterForward> reshard_after_forward;
-  // ReshardAfterForward::kHost: a communicator of the ranks of this host (any group of
-  // ranks works; its size must divide the shard group's), e.g. make_host_group(). Ignored
-  // otherwise.
+  // A communicator of the ranks of this host, e.g. make_host_group(); every rank passes
+  // one or none. Used by:
+  //  - ReshardAfterForward::kHost, which gathers over it after forward (any group of ranks
+  //    works; its size must divide the shard group's);
+  //  - quantize_grads, when it is smaller than the shard group: the reduce-scatter goes in
+  //    two levels (ZeRO++'s hierarchical qgZ), an fp32 sum inside the host, then each host's
+  //    sum quantised between hosts, so every value crosses hosts once instead of once per
+  //    rank of its host. Its ranks must then be consecutive ranks of the shard group, in
+  //    order (make_host_group's layout; checked at construction, InvalidArgument).
+  // Ignored otherwise.
   CommunicatorPtr host_group;
   // Most units gathered ahead of use at once (prefetches beyond this wait), bounding memory.
   int limit_all_gathers = 2;
@@ -207,11 +214,12 @@ struct FsdpOptions {
   // peer the chunk that peer owns, in bf16 or blockwise int8; the owner dequantises the
   // chunks into fp32 and averages them there (its own chunk exact), so nothing is added up in
   // low precision. Traffic per rank: (world - 1) / world of the unit's gradient, quantised
-  // (int8 about a quarter of fp32's reduce-scatter). Over HYBRID_SHARD's or NO_SHARD's
-  // replicas the all-reduce stays in the reduce dtype. Error bound: docs/strategies.md,
-  // "Quantised communication".
+  // (int8 about a quarter of fp32's reduce-scatter, int4 an eighth). With host_group, in two
+  // levels (see host_group): inter-host traffic falls by the ranks per host once more. Over
+  // HYBRID_SHARD's or NO_SHARD's replicas the all-reduce stays in the reduce dtype. Error
+  // bound: docs/strategies.md, "Quantised communication".
   Quantization quantize_grads = Quantization::kNone;
-  // Values per int8 scale (quantize_params / quantize_grads int8); >= 1.
+  // Values per scale (quantize_params / quantize_grads int8 or int4); >= 1.
   int64_t quantization_block = kDefaultQuantizationBlock;
 };
 

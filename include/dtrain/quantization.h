@@ -7,6 +7,10 @@
 //          (the block's largest magnitude / 127) and each value is round(x / scale) in
 //          [-127, 127]: 1 byte per value plus 4 per block, |error| <= max|block| / 254.
 //          A block of zeros stays zeros. Inputs must be finite.
+//   kInt4: the same blocks with 4-bit values in [-7, 7] (scale = max|block| / 7), two per
+//          byte: half a byte per value plus 4 per block, |error| <= max|block| / 14. For
+//          gradients (ZeRO++'s qgZ sends int4 gradients), where the error averages out over
+//          steps; parameters in int4 lose too much.
 //
 // Used by quantized_allreduce_hook (DataParallel) and FsdpOptions::quantize_params (FSDP's
 // parameter all-gather). docs/strategies.md, "Quantised communication", has the traffic.
@@ -19,9 +23,9 @@
 
 namespace dtrain {
 
-enum class Quantization { kNone, kBf16, kInt8 };
+enum class Quantization { kNone, kBf16, kInt8, kInt4 };
 
-const char* to_string(Quantization q);  // "none", "bf16", "int8"
+const char* to_string(Quantization q);  // "none", "bf16", "int8", "int4"
 
 // Default int8 block: 4 bytes of scale per 256 values (1.6% on top of the int8 values).
 inline constexpr int64_t kDefaultQuantizationBlock = 256;

@@ -16,6 +16,8 @@ const char* to_string(Quantization q) {
       return "bf16";
     case Quantization::kInt8:
       return "int8";
+    case Quantization::kInt4:
+      return "int4";
   }
   return "?";
 }
@@ -58,6 +60,8 @@ int64_t quantized_bytes(Quantization q, int64_t numel, int64_t block) {
       return round_up4(2 * numel);
     case Quantization::kInt8:
       return 4 * num_blocks(numel, block) + round_up4(numel);
+    case Quantization::kInt4:
+      return 4 * num_blocks(numel, block) + round_up4((numel + 1) / 2);
   }
   return 0;
 }
@@ -70,16 +74,28 @@ void quantize(const at::Tensor& src, at::Tensor dst, Quantization q, int64_t blo
     return;
   }
   const int64_t blocks = num_blocks(n, block);
+  const double levels = q == Quantization::kInt8 ? 127.0 : 7.0;
   at::Tensor x = src.to(at::kFloat);
   // Pad the last block with zeros: they do not change its largest magnitude.
   if (blocks * block != n) x = at::constant_pad_nd(x, {0, blocks * block - n}, 0);
   x = x.view({blocks, block});
-  at::Tensor scale = x.abs().amax(1) / 127.0f;
+  at::Tensor scale = x.abs().amax(1) / levels;
   // A zero block has scale 0: multiply by 0 instead of dividing by it.
   at::Tensor inverse = at::where(scale > 0, scale.reciprocal(), at::zeros_like(scale));
-  at::Tensor values = (x * inverse.unsqueeze(1)).round_().clamp_(-127, 127).to(at::kChar);
+  at::Tensor values = (x * inverse.unsqueeze(1)).round_().clamp_(-levels, levels);
   dst.narrow(0, 0, 4 * blocks).view(at::kFloat).copy_(scale);
-  dst.narrow(0, 4 * blocks, n).view(at::kChar).copy_(values.view({-1}).narrow(0, 0, n));
+  values = values.view({-1}).narrow(0, 0, n);
+  if (q == Quantization::kInt8) {
+    dst.narrow(0, 4 * blocks, n).view(at::kChar).copy_(values.to(at::kChar));
+    return;
+  }
+  // Two values per byte, offset by 8 into [1, 15]: value 2i in the low nibble, 2i + 1 in
+  // the high one (an odd count's last high nibble is 0).
+  at::Tensor nibbles = (values + 8).to(at::kByte);
+  if (n % 2 != 0) nibbles = at::constant_pad_nd(nibbles, {0, 1}, 0);
+  nibbles = nibbles.view({-1, 2});
+  at::Tensor packed = at::bitwise_or(nibbles.select(1, 0), nibbles.select(1, 1) * 16);
+  dst.narrow(0, 4 * blocks, packed.numel()).copy_(packed);
 }
 
 void dequantize(const at::Tensor& src, at::Tensor dst, Quantization q, int64_t block) {
@@ -91,7 +107,17 @@ void dequantize(const at::Tensor& src, at::Tensor dst, Quantization q, int64_t b
   }
   const int64_t blocks = num_blocks(n, block);
   at::Tensor scale = src.narrow(0, 0, 4 * blocks).view(at::kFloat);
-  at::Tensor values = src.narrow(0, 4 * blocks, n).view(at::kChar).to(at::kFloat);
+  at::Tensor values;
+  if (q == Quantization::kInt8) {
+    values = src.narrow(0, 4 * blocks, n).view(at::kChar).to(at::kFloat);
+  } else {
+    const at::Tensor packed = src.narrow(0, 4 * blocks, (n + 1) / 2);
+    values = at::stack({at::bitwise_and(packed, 15), packed.div(16, "floor")}, 1)
+                 .view({-1})
+                 .narrow(0, 0, n)
+                 .to(at::kFloat) -
+             8;
+  }
   if (blocks * block != n) values = at::constant_pad_nd(values, {0, blocks * block - n}, 0);
   at::Tensor x = values.view({blocks, block}) * scale.unsqueeze(1);
   dst.copy_(x.view({-1}).narrow(0, 0, n));

@@ -14,7 +14,8 @@ namespace dtrain::detail {
 
 // Bytes of a quantised tensor of `numel` values:
 //   bf16: 2 numel, rounded up to a multiple of 4;
-//   int8: 4 ceil(numel / block) (the scales) + numel (the values), rounded up likewise.
+//   int8: 4 ceil(numel / block) (the scales) + numel (the values), rounded up likewise;
+//   int4: 4 ceil(numel / block) + ceil(numel / 2), rounded up likewise.
 int64_t quantized_bytes(Quantization q, int64_t numel, int64_t block);
 
 // Writes `src` (1-D, floating, contiguous) quantised into `dst` (uint8, quantized_bytes long,

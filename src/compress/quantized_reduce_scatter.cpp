@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/control_plane.h"
 #include "compress/quantize.h"
 #include "dtrain/errors.h"
 
@@ -29,66 +30,143 @@ int exchange_partner(int rank, int world, int round) {
   return partner >= world ? -1 : partner;
 }
 
-WorkPtr quantized_reduce_scatter(Communicator& comm, at::Tensor output, const at::Tensor& input,
-                                 Quantization q, int64_t block, int64_t* wire_bytes) {
-  const int world = comm.world_size();
-  const int rank = comm.rank();
-  const ErrorContext ctx{rank, world, "quantized_reduce_scatter", -1};
-  const int64_t n = output.numel();
-  if (input.numel() != n * world || input.dim() != 1 || output.dim() != 1) {
-    throw InvalidArgument(ctx, fmt::format("input has {} elements, output {}: 1-D tensors of "
-                                           "{} ranks x output elements expected",
-                                           input.numel(), n, world));
-  }
-  if (q == Quantization::kNone) {
-    throw InvalidArgument(ctx, "nothing to quantise: Quantization::kNone");
-  }
+namespace {
+
+// The exchange both forms share, among `peers` (ranks of `comm`; this rank is peers[me]):
+// chunks[p] (n values) goes to peers[p] quantised; the result is chunks[me] exactly plus
+// every received chunk dequantised into fp32, in peer order, divided by `divisor`, written
+// to `out`. Returns this rank's quantised bytes (all chunks, its own included).
+WorkPtr exchange(Communicator& comm, const std::vector<int>& peers, int me, at::Tensor chunks,
+                 int64_t divisor, Quantization q, int64_t block, at::Tensor out) {
+  const int count = static_cast<int>(peers.size());
+  const int64_t n = out.numel();
   const int64_t bytes = quantized_bytes(q, n, block);
-  if (wire_bytes != nullptr) *wire_bytes = bytes * world;
-  const at::Tensor in = input.contiguous();
-  const auto byte_options = in.options().dtype(at::kByte);
-  at::Tensor sent = at::empty({bytes * world}, byte_options);
-  at::Tensor received = at::empty({bytes * world}, byte_options);
-  for (int p = 0; p < world; ++p) {
-    if (p != rank) quantize(in.narrow(0, p * n, n), sent.narrow(0, p * bytes, bytes), q, block);
+  const auto byte_options = chunks.options().dtype(at::kByte);
+  at::Tensor sent = at::empty({bytes * count}, byte_options);
+  at::Tensor received = at::empty({bytes * count}, byte_options);
+  for (int p = 0; p < count; ++p) {
+    if (p != me) quantize(chunks.narrow(0, p * n, n), sent.narrow(0, p * bytes, bytes), q, block);
   }
   std::vector<WorkPtr> works;
-  for (int round = 0; round < exchange_rounds(world); ++round) {
-    const int p = exchange_partner(rank, world, round);
+  for (int round = 0; round < exchange_rounds(count); ++round) {
+    const int p = exchange_partner(me, count, round);
     if (p < 0) continue;
     at::Tensor to = sent.narrow(0, p * bytes, bytes);
     at::Tensor from = received.narrow(0, p * bytes, bytes);
-    if (rank < p) {
-      works.push_back(comm.send(to, p));
-      works.push_back(comm.recv(from, p));
+    // The lower of a pair sends first, so ranks whose point-to-point calls run one after
+    // another (NCCL) cannot deadlock.
+    if (me < p) {
+      works.push_back(comm.send(to, peers[p]));
+      works.push_back(comm.recv(from, peers[p]));
     } else {
-      works.push_back(comm.recv(from, p));
-      works.push_back(comm.send(to, p));
+      works.push_back(comm.recv(from, peers[p]));
+      works.push_back(comm.send(to, peers[p]));
     }
   }
-  at::Tensor out = output.variable_data();
-  auto finish = [works, out, in, sent, received, bytes, world, rank, n, q, block]() mutable {
+  auto finish = [works, out, chunks, sent, received, bytes, count, me, n, divisor, q,
+                 block]() mutable {
     for (auto& w : works) w->wait();
-    const auto f32 = in.options().dtype(at::kFloat);
+    const auto f32 = chunks.options().dtype(at::kFloat);
     at::Tensor sum = at::zeros({n}, f32);
     at::Tensor one = at::empty({n}, f32);
-    for (int p = 0; p < world; ++p) {
-      if (p == rank) {
-        sum.add_(in.narrow(0, p * n, n).to(at::kFloat));
+    for (int p = 0; p < count; ++p) {
+      if (p == me) {
+        sum.add_(chunks.narrow(0, p * n, n).to(at::kFloat));
       } else {
         dequantize(received.narrow(0, p * bytes, bytes), one, q, block);
         sum.add_(one);
       }
     }
-    out.copy_(sum.div_(world));
+    out.copy_(sum.div_(divisor));
   };
   if (works.empty()) {
-    // One rank: nothing crosses the wire.
+    // One peer: nothing crosses the wire.
     finish();
     return then(comm.barrier(), [] {});
   }
   WorkPtr last = works.back();
   return then(std::move(last), std::move(finish));
+}
+
+void check_shapes(const ErrorContext& ctx, const at::Tensor& output, const at::Tensor& input,
+                  int world, Quantization q) {
+  if (input.numel() != output.numel() * world || input.dim() != 1 || output.dim() != 1) {
+    throw InvalidArgument(ctx, fmt::format("input has {} elements, output {}: 1-D tensors of "
+                                           "{} ranks x output elements expected",
+                                           input.numel(), output.numel(), world));
+  }
+  if (q == Quantization::kNone) {
+    throw InvalidArgument(ctx, "nothing to quantise: Quantization::kNone");
+  }
+}
+
+}  // namespace
+
+WorkPtr quantized_reduce_scatter(Communicator& comm, at::Tensor output, const at::Tensor& input,
+                                 Quantization q, int64_t block, int64_t* wire_bytes) {
+  const int world = comm.world_size();
+  check_shapes(ErrorContext{comm.rank(), world, "quantized_reduce_scatter", -1}, output, input,
+               world, q);
+  if (wire_bytes != nullptr) *wire_bytes = quantized_bytes(q, output.numel(), block) * world;
+  std::vector<int> peers(world);
+  for (int p = 0; p < world; ++p) peers[p] = p;
+  return exchange(comm, peers, comm.rank(), input.contiguous(), world, q, block,
+                  output.variable_data());
+}
+
+void check_host_layout(Communicator& comm, Communicator& host) {
+  const int world = comm.world_size(), local = host.world_size();
+  const ErrorContext ctx{comm.rank(), world, "check_host_layout", -1};
+  if (local < 1 || world % local != 0) {
+    throw InvalidArgument(ctx, fmt::format("the host group's {} ranks must divide the {} of the "
+                                           "group it reduces over",
+                                           local, world));
+  }
+  const auto ranks = ControlPlane(host).all_gather(std::vector<int64_t>{comm.rank()});
+  const int64_t first = comm.rank() / local * local;
+  for (int i = 0; i < local; ++i) {
+    if (ranks[i] != first + i) {
+      throw InvalidArgument(
+          ctx, fmt::format("the host group must hold ranks {}..{} of the group it reduces over, "
+                           "in order (make_host_group's layout); its rank {} is rank {}",
+                           first, first + local - 1, i, ranks[i]));
+    }
+  }
+}
+
+WorkPtr hierarchical_quantized_reduce_scatter(Communicator& comm, Communicator& host,
+                                              at::Tensor output, const at::Tensor& input,
+                                              Quantization q, int64_t block, int64_t* wire_bytes) {
+  const int world = comm.world_size(), local = host.world_size();
+  const ErrorContext ctx{comm.rank(), world, "hierarchical_quantized_reduce_scatter", -1};
+  check_shapes(ctx, output, input, world, q);
+  if (local < 1 || world % local != 0) {
+    throw InvalidArgument(ctx,
+                          fmt::format("the host group's {} ranks must divide {}", local, world));
+  }
+  const int hosts = world / local;
+  const int64_t n = output.numel();
+  // Inside the host, in fp32: local rank i gets its host's sum of chunks i, L + i, 2L + i, ...
+  // (the host's reduce-scatter takes L pieces of H chunks each: the input as [L][H][n]).
+  const at::Tensor by_local =
+      input.to(at::kFloat).view({hosts, local, n}).transpose(0, 1).contiguous().view({-1});
+  at::Tensor host_sums = at::empty({hosts * n}, by_local.options());
+  WorkPtr inside = host.reduce_scatter(host_sums, by_local, ReduceOp::kSum);
+  inside->wait();
+  if (wire_bytes != nullptr) {
+    *wire_bytes = static_cast<int64_t>(by_local.nbytes()) + quantized_bytes(q, n, block) * hosts;
+  }
+  if (hosts == 1) {
+    // One host: nothing crosses hosts.
+    return then(std::move(inside),
+                [out = output.variable_data(), host_sums, world] { out.copy_(host_sums / world); });
+  }
+  // Between hosts: rank gL + i owns chunk gL + i.
+  const int i = comm.rank() % local;
+  std::vector<int> peers(hosts);
+  for (int g = 0; g < hosts; ++g) peers[g] = g * local + i;
+  return exchange(comm, peers, comm.rank() / local, host_sums, world, q, block,
+                  output.variable_data());
 }
 
 }  // namespace dtrain::detail

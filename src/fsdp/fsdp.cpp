@@ -19,6 +19,7 @@
 
 #include "amp/bf16_check.h"
 #include "compat/autograd_errors.h"
+#include "compress/quantized_reduce_scatter.h"
 #include "dtrain/errors.h"
 #include "fsdp/active.h"
 #include "fsdp/fsdp_impl.h"
@@ -99,6 +100,14 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
     }
     if (c.host_size > 1) c.host = options.host_group;
   }
+  // Quantised gradients go in two levels where the host group is a proper part of the
+  // shard group: each value then crosses hosts once, as its host's sum.
+  if (c.shard && c.quantize_grads != Quantization::kNone && options.host_group &&
+      options.host_group->world_size() > 1 &&
+      options.host_group->world_size() < c.shard->world_size()) {
+    detail::check_host_layout(*c.shard, *options.host_group);
+    c.grad_host = options.host_group;
+  }
   return c;
 }
 
@@ -116,7 +125,7 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
     throw InvalidArgument(ctx("FullyShardedDataParallel()"), "limit_all_gathers must be >= 1");
   }
   fsdp::UnitComms comms = make_comms(comm_, options_, ctx("FullyShardedDataParallel()"));
-  wire_ = StepWire({comm_, comms.shard, comms.replicate, comms.host});
+  wire_ = StepWire({comm_, comms.shard, comms.replicate, comms.host, comms.grad_host});
   if (comms.shard) {
     shard_size_ = comms.shard->world_size();
     shard_rank_ = comms.shard->rank();

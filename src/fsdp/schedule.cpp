@@ -12,7 +12,6 @@
 
 #include "comm/control_plane.h"
 #include "compress/quantized_all_gather.h"
-#include "compress/quantized_reduce_scatter.h"
 #include "dtrain/errors.h"
 
 namespace dtrain::fsdp {
@@ -377,18 +376,12 @@ void Schedule::replay(const std::vector<Issued>& ops, size_t from) {
         }
         record("all_gather:" + name + " (replay)");
         break;
-      case Collective::kReduceScatter:
-        if (comms_.quantize_grads != Quantization::kNone) {
-          detail::quantized_reduce_scatter(*comms_.shard, at::empty({f.shard_numel()}, reduce),
-                                           at::zeros({f.padded()}, reduce), comms_.quantize_grads,
-                                           comms_.quantization_block, nullptr)
-              ->wait();
-        } else {
-          comms_.shard
-              ->reduce_scatter(at::empty({f.shard_numel()}, reduce),
-                               at::zeros({f.padded()}, reduce), ReduceOp::kAvg)
-              ->wait();
-        }
+      case Collective::kReduceScatter: {
+        int64_t bytes = 0;
+        reduce_scatter_grads(comms_, at::empty({f.shard_numel()}, reduce),
+                             at::zeros({f.padded()}, reduce), &bytes)
+            ->wait();
+      }
         record("reduce_scatter:" + name + " (replay)");
         break;
       case Collective::kAllReduce:

@@ -13,6 +13,21 @@
 
 namespace dtrain::fsdp {
 
+WorkPtr reduce_scatter_grads(const UnitComms& c, at::Tensor out, const at::Tensor& flat,
+                             int64_t* bytes) {
+  if (c.quantize_grads == Quantization::kNone) {
+    *bytes = static_cast<int64_t>(flat.nbytes());
+    return c.shard->reduce_scatter(std::move(out), flat, ReduceOp::kAvg);
+  }
+  if (c.grad_host) {
+    return detail::hierarchical_quantized_reduce_scatter(*c.shard, *c.grad_host, std::move(out),
+                                                         flat, c.quantize_grads,
+                                                         c.quantization_block, bytes);
+  }
+  return detail::quantized_reduce_scatter(*c.shard, std::move(out), flat, c.quantize_grads,
+                                          c.quantization_block, bytes);
+}
+
 using Clock = std::chrono::steady_clock;
 
 const char* Unit::name_of(ParamState s) {
@@ -232,17 +247,8 @@ void Unit::launch_reduction() {
   }
   if (comms_->shard) {
     reduce_out_ = at::empty({flat_.shard_numel()}, flat.options());
-    int64_t bytes = static_cast<int64_t>(flat.nbytes());
-    if (comms_->quantize_grads != Quantization::kNone) {
-      collective([&] {
-        reduce_work_ = detail::quantized_reduce_scatter(*comms_->shard, reduce_out_, flat,
-                                                        comms_->quantize_grads,
-                                                        comms_->quantization_block, &bytes);
-      });
-    } else {
-      collective(
-          [&] { reduce_work_ = comms_->shard->reduce_scatter(reduce_out_, flat, ReduceOp::kAvg); });
-    }
+    int64_t bytes = 0;
+    collective([&] { reduce_work_ = reduce_scatter_grads(*comms_, reduce_out_, flat, &bytes); });
     observer_->issued(Collective::kReduceScatter, index_, bytes);
     observer_->record("reduce_scatter:" + name_);
   } else {

@@ -82,9 +82,19 @@ struct UnitComms {
   Quantization quantize_params = Quantization::kNone;
   // The gradients' reduce-scatter over `shard` quantised on the wire, reduced in fp32.
   Quantization quantize_grads = Quantization::kNone;
+  // With quantize_grads, the ranks of this host (FsdpOptions::host_group, checked to be
+  // consecutive ranks of `shard`): the reduce-scatter goes in two levels, fp32 inside the
+  // host and quantised between hosts. Null: one level over `shard`.
+  CommunicatorPtr grad_host;
   int64_t quantization_block = kDefaultQuantizationBlock;
   int rank = 0, world_size = 1;  // of the whole job, for messages
 };
+
+// The gradients' reduce-scatter of a unit as `c` says: over c.shard, averaged, in
+// c.reduce_dtype or quantised on the wire (in two levels with c.grad_host). `bytes`: this
+// rank's payload.
+WorkPtr reduce_scatter_grads(const UnitComms& c, at::Tensor out, const at::Tensor& flat,
+                             int64_t* bytes);
 
 // kHostAllGather: a SHARDED_POST_FORWARD unit's gather over UnitComms::host.
 enum class Collective { kAllGather, kReduceScatter, kAllReduce, kHostAllGather };

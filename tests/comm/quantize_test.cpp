@@ -43,12 +43,13 @@ TEST_P(QuantizeRoundTrip, ErrorWithinTheStatedBound) {
   if (q == Quantization::kBf16) {
     bound = x.abs() * std::ldexp(1.0, -8);
   } else {
-    // max |block| / 254, each element against its own block's largest magnitude.
+    // max |block| / 254 (int4: / 14), each element against its own block's largest magnitude.
     const int64_t blocks = (numel + block - 1) / block;
     at::Tensor padded = at::constant_pad_nd(x.abs(), {0, blocks * block - numel}, 0);
     at::Tensor amax = padded.view({blocks, block}).amax(1, true).expand({blocks, block});
     // Slack for fp32 round-off in x / scale and q * scale (a few ulps of 127).
-    bound = amax.reshape({-1}).narrow(0, 0, numel) / 254.0 * (1 + 1e-4);
+    const double steps = q == Quantization::kInt8 ? 254.0 : 14.0;
+    bound = amax.reshape({-1}).narrow(0, 0, numel) / steps * (1 + 1e-4);
   }
   const at::Tensor over = err > bound;
   EXPECT_FALSE(over.any().item<bool>()) << "worst excess " << (err - bound).max().item<double>()
@@ -63,7 +64,8 @@ TEST_P(QuantizeRoundTrip, ErrorWithinTheStatedBound) {
 
 INSTANTIATE_TEST_SUITE_P(DtypesBlocksSizes, QuantizeRoundTrip,
                          ::testing::Combine(::testing::Values(Quantization::kBf16,
-                                                              Quantization::kInt8),
+                                                              Quantization::kInt8,
+                                                              Quantization::kInt4),
                                             ::testing::Values<int64_t>(1, 7, 64, 256, 4096),
                                             ::testing::Values<int64_t>(1, 3, 255, 257, 1000, 4099)),
                          [](const auto& info) {
@@ -73,7 +75,7 @@ INSTANTIATE_TEST_SUITE_P(DtypesBlocksSizes, QuantizeRoundTrip,
 
 TEST(Quantize, AllZerosAndBadArguments) {
   at::Tensor zeros = at::zeros({300});
-  for (auto q : {Quantization::kBf16, Quantization::kInt8}) {
+  for (auto q : {Quantization::kBf16, Quantization::kInt8, Quantization::kInt4}) {
     at::Tensor wire = at::empty({detail::quantized_bytes(q, 300, 64)}, at::kByte);
     detail::quantize(zeros, wire, q, 64);
     at::Tensor back = at::full({300}, 5.0f);
@@ -82,6 +84,8 @@ TEST(Quantize, AllZerosAndBadArguments) {
   }
   EXPECT_EQ(detail::quantized_bytes(Quantization::kInt8, 257, 256), 2 * 4 + 260);
   EXPECT_EQ(detail::quantized_bytes(Quantization::kBf16, 3, 256), 8);
+  EXPECT_EQ(detail::quantized_bytes(Quantization::kInt4, 257, 256), 2 * 4 + 132);
+  EXPECT_EQ(detail::quantized_bytes(Quantization::kInt4, 7, 256), 4 + 4);
   at::Tensor wire = at::empty({10}, at::kByte);
   EXPECT_THROW(detail::quantize(zeros, wire, Quantization::kInt8, 64), InvalidArgument);
   EXPECT_THROW(detail::quantize(zeros, at::empty({1216}, at::kByte), Quantization::kInt8, 0),
@@ -114,11 +118,13 @@ TEST_P(QuantizedHook, AveragesWithinTheBoundAndIdenticallyOnEveryRank) {
     hook->run(comm, b)->wait();
     results[comm.rank()] = b.buffer;
   });
-  // bf16: 2^-8 of each input; int8: max|block| / 254 of each, averaged over ranks.
+  // bf16: 2^-8 of each input; int8: max|block| / 254 of each (int4: / 14), averaged over
+  // ranks.
   double bound = 0;
   for (const auto& x : inputs) {
+    const double steps = q == Quantization::kInt8 ? 254.0 : 14.0;
     bound += (q == Quantization::kBf16 ? x.abs().max().item<double>() * std::ldexp(1.0, -8)
-                                       : x.abs().max().item<double>() / 254.0);
+                                       : x.abs().max().item<double>() / steps);
   }
   bound = bound / world + 1e-5;
   for (int r = 0; r < world; ++r) {
@@ -129,7 +135,8 @@ TEST_P(QuantizedHook, AveragesWithinTheBoundAndIdenticallyOnEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, QuantizedHook,
                          ::testing::Combine(::testing::Values(Quantization::kBf16,
-                                                              Quantization::kInt8),
+                                                              Quantization::kInt8,
+                                                              Quantization::kInt4),
                                             ::testing::Values(1, 2, 3, 4)),
                          [](const auto& info) {
                            return fmt::format("{}_world{}", to_string(std::get<0>(info.param)),
