@@ -13,6 +13,8 @@
 #   fsdp_int8        FSDP + --quantize_params int8 --quantize_grads int8 (ZeRO++ qwZ + qgZ)
 #   fsdp_host        FSDP + --reshard_after_forward host (ZeRO++ hpZ)
 #   fsdp_int8_host   both (ZeRO++ qwZ + qgZ + hpZ)
+#   fsdp_int4_host   the same with int4 gradients (ZeRO++'s qgZ sends int4)
+# (FSDP's quantised gradients go in two levels across hosts: fp32 inside, quantised between)
 # (default: all, ddp first). Every run is the same job (same seed, data order, global batch,
 # learning rate: warmup, then constant, so that step k is the same in a longer run) with
 # validation every VAL_EVERY steps. ddp runs STEPS steps; its validation loss at 80% of them
@@ -38,7 +40,7 @@ fi
 rate="$1"
 shift
 all_settings=(ddp ddp_powersgd1 ddp_powersgd2 ddp_powersgd4 ddp_int8 ddp_bf16 fsdp fsdp_int8
-  fsdp_host fsdp_int8_host)
+  fsdp_host fsdp_int8_host fsdp_int4_host)
 settings=("$@")
 [ ${#settings[@]} -gt 0 ] || settings=("${all_settings[@]}")
 build="${DTRAIN_BUILD_DIR:-$root/build}"
@@ -78,6 +80,10 @@ flags_of() {  # SETTING -> its gpt2_train flags
     fsdp_host) echo "--strategy=fsdp --sharding=full --reshard_after_forward=host" ;;
     fsdp_int8_host)
       echo "--strategy=fsdp --sharding=full --quantize_params=int8 --quantize_grads=int8" \
+        "--reshard_after_forward=host"
+      ;;
+    fsdp_int4_host)
+      echo "--strategy=fsdp --sharding=full --quantize_params=int8 --quantize_grads=int4" \
         "--reshard_after_forward=host"
       ;;
     *) return 1 ;;

@@ -30,7 +30,7 @@ import sys
 
 RATES = ["100mbit", "1gbit", "none"]
 SETTINGS = ["ddp", "ddp_powersgd1", "ddp_powersgd2", "ddp_powersgd4", "ddp_int8", "ddp_bf16",
-            "fsdp", "fsdp_int8", "fsdp_host", "fsdp_int8_host"]
+            "fsdp", "fsdp_int8", "fsdp_host", "fsdp_int8_host", "fsdp_int4_host"]
 LABELS = {
     "ddp": "DDP, uncompressed (reference)",
     "ddp_powersgd1": "DDP + PowerSGD rank 1",
@@ -42,6 +42,7 @@ LABELS = {
     "fsdp_int8": "FSDP + --quantize_params int8 --quantize_grads int8",
     "fsdp_host": "FSDP + --reshard_after_forward host",
     "fsdp_int8_host": "FSDP + int8 params and grads + --reshard_after_forward host",
+    "fsdp_int4_host": "FSDP + int8 params, int4 grads + --reshard_after_forward host",
 }
 FIELDS = ["rate", "setting", "steps", "target_val_loss", "time_to_target_s",
           "steps_to_target", "speedup",

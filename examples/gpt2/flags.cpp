@@ -174,12 +174,13 @@ ABSL_FLAG(std::string, comm_hook, "allreduce",
           "broadcasts) | powersgd (low-rank compression, --powersgd_rank). fsdp: allreduce | "
           "fp16 | bf16 (FSDP's reduce_dtype).");
 ABSL_FLAG(std::string, quantize_grads, "none",
-          "Gradients on the wire as int8 (blockwise, an fp32 scale per 256 values) | bf16 "
-          "| none, averaged in fp32. ddp: all-gathered (dtrain::quantized_allreduce_hook; "
-          "replaces --comm_hook). fsdp: reduce-scattered point to point "
-          "(FsdpOptions::quantize_grads).");
+          "Gradients on the wire as int8 (blockwise, an fp32 scale per 256 values) | int4 "
+          "(the same blocks, half a byte per value) | bf16 | none, always added up in fp32. "
+          "ddp: dtrain::quantized_allreduce_hook (replaces --comm_hook); fsdp: reduce-"
+          "scattered point to point (FsdpOptions::quantize_grads). Across hosts both go in two "
+          "levels: fp32 within the host, quantised between hosts.");
 ABSL_FLAG(std::string, quantize_params, "none",
-          "fsdp: parameters' all-gathers on the wire as int8 (blockwise) | bf16 | none "
+          "fsdp: parameters' all-gathers on the wire as int8 (blockwise) | int4 | bf16 | none "
           "(FsdpOptions::quantize_params); the fp32 shards stay exact.");
 ABSL_FLAG(int32_t, powersgd_rank, 1,
           "--comm_hook powersgd: rank of the gradient approximation (1-4 typical; higher is "

@@ -274,14 +274,28 @@ void Trainer::setup_model_and_strategy() {
         p.seed = static_cast<uint64_t>(c_.seed);
         o.comm_hook = dtrain::powersgd_hook(p);
       }
+      // Quantised gradients across hosts go in two levels over the host group.
+      const bool across_hosts = store_ != nullptr && info_.local_world_size > 1 &&
+                                info_.local_world_size < info_.world_size;
       if (c_.quantize_grads != dtrain::Quantization::kNone) {
-        o.comm_hook = dtrain::quantized_allreduce_hook(c_.quantize_grads);
+        dtrain::CommunicatorPtr host_group;
+        if (across_hosts) {
+          // Hosts as the launcher numbers them: LOCAL_WORLD_SIZE consecutive ranks.
+          host_group =
+              dtrain::make_host_group(store_, info_.rank, info_.world_size, info_.local_world_size,
+                                      info_.communicator_options(comm_options_));
+        }
+        o.comm_hook = dtrain::quantized_allreduce_hook(
+            c_.quantize_grads, dtrain::kDefaultQuantizationBlock, host_group);
       }
       strategy_ = std::make_shared<dtrain::DataParallel>(module, comm_, o);
       details =
           fmt::format(", comm hook {}, buckets {} MiB", to_string(c_.comm_hook), c_.bucket_mb);
       if (c_.quantize_grads != dtrain::Quantization::kNone) {
         details += fmt::format(", gradients {} on the wire", to_string(c_.quantize_grads));
+        if (across_hosts) {
+          details += fmt::format(" (in two levels over hosts of {} ranks)", info_.local_world_size);
+        }
       }
       if (c_.comm_hook == CommHookKind::kPowerSgd) {
         details +=
@@ -346,8 +360,7 @@ void Trainer::setup_model_and_strategy() {
             : o.sharding == dtrain::ShardingStrategy::kNoShard   ? 1
                                                                  : info_.world_size;
         if (across_hosts && info_.local_world_size < shard_size) {
-          details += fmt::format(" (summed in fp32 within hosts of {} ranks first)",
-                                 info_.local_world_size);
+          details += fmt::format(" (in two levels over hosts of {} ranks)", info_.local_world_size);
         }
       }
       if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost) {

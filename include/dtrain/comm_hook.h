@@ -54,6 +54,9 @@ class CommHook {
   // (InvalidArgument naming the first entry).
   virtual std::map<std::string, at::Tensor> state() const { return {}; }
   virtual void load_state(const std::map<std::string, at::Tensor>& state);
+  // Communicators the hook uses besides the one run() is given (e.g. a host group), so
+  // that StepStats::wire counts their bytes too. Default: none.
+  virtual std::vector<CommunicatorPtr> communicators() const { return {}; }
 };
 
 // All-reduce average in the gradient's dtype (the default).

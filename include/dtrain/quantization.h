@@ -20,6 +20,7 @@
 #include <memory>
 
 #include "dtrain/comm_hook.h"
+#include "dtrain/communicator.h"
 
 namespace dtrain {
 
@@ -30,13 +31,26 @@ const char* to_string(Quantization q);  // "none", "bf16", "int8", "int4"
 // Default int8 block: 4 bytes of scale per 256 values (1.6% on top of the int8 values).
 inline constexpr int64_t kDefaultQuantizationBlock = 256;
 
-// DataParallel hook: every rank quantises its bucket, the quantised buckets are all-gathered,
-// and each rank dequantises every rank's bucket and averages them in fp32, in rank order (so
-// every rank gets the same result). Traffic per rank: (world - 1) quantised buckets received,
-// against 2 (world - 1) / world fp32 buckets for a ring all-reduce: int8 sends about 4x less
-// at 2 ranks, 2x at 4, the same at 8; bf16 2x at 2 ranks, the same at 4. kNone is
-// allreduce_hook(). Throws InvalidArgument for block_size < 1.
+// DataParallel hook: gradients quantised on the wire, averaged in fp32, the same result on
+// every rank. Throws InvalidArgument for block_size < 1; kNone is allreduce_hook().
+//
+// Without `host_group` (or with one holding every rank, or one rank): every rank quantises
+// its bucket, the quantised buckets are all-gathered, and each rank dequantises every
+// rank's bucket and averages them in rank order. Traffic per rank: (world - 1) quantised
+// buckets received, against 2 (world - 1) / world fp32 buckets for a ring all-reduce: int8
+// sends about 4x less at 2 ranks, 2x at 4, the same at 8; bf16 2x at 2 ranks, the same at 4.
+//
+// With `host_group` (the ranks of this host, consecutive ranks of DataParallel's
+// communicator in order: make_host_group; every rank passes one; checked on the first
+// bucket), in two levels, as ZeRO++'s hierarchical qgZ: an fp32 reduce-scatter inside the
+// host, each host's sum quantised once to the rank owning that chunk on the other hosts,
+// the averaged chunk quantised once more back to them, and an fp32 all-gather inside the
+// host. Inter-host bytes: a quarter of the hierarchical fp32 all-reduce's for int8 (plus
+// 4 per block), an eighth for int4, at any number of hosts; the intra-host steps go over
+// shared memory. The error per value is at most two quantisations' (the other hosts' sums,
+// averaged, and the average); docs/strategies.md, "Quantised communication".
 std::shared_ptr<CommHook> quantized_allreduce_hook(Quantization q,
-                                                   int64_t block_size = kDefaultQuantizationBlock);
+                                                   int64_t block_size = kDefaultQuantizationBlock,
+                                                   CommunicatorPtr host_group = nullptr);
 
 }  // namespace dtrain

@@ -30,6 +30,29 @@ int exchange_partner(int rank, int world, int round) {
   return partner >= world ? -1 : partner;
 }
 
+std::vector<WorkPtr> swap_with_peers(Communicator& comm, const std::vector<int>& peers, int me,
+                                     const at::Tensor& sent, const at::Tensor& received,
+                                     int64_t bytes) {
+  const int count = static_cast<int>(peers.size());
+  std::vector<WorkPtr> works;
+  for (int round = 0; round < exchange_rounds(count); ++round) {
+    const int p = exchange_partner(me, count, round);
+    if (p < 0) continue;
+    at::Tensor to = sent.narrow(0, p * bytes, bytes);
+    at::Tensor from = received.narrow(0, p * bytes, bytes);
+    // The lower of a pair sends first, so ranks whose point-to-point calls run one after
+    // another (NCCL) cannot deadlock.
+    if (me < p) {
+      works.push_back(comm.send(to, peers[p]));
+      works.push_back(comm.recv(from, peers[p]));
+    } else {
+      works.push_back(comm.recv(from, peers[p]));
+      works.push_back(comm.send(to, peers[p]));
+    }
+  }
+  return works;
+}
+
 namespace {
 
 // The exchange both forms share, among `peers` (ranks of `comm`; this rank is peers[me]):
@@ -47,22 +70,7 @@ WorkPtr exchange(Communicator& comm, const std::vector<int>& peers, int me, at::
   for (int p = 0; p < count; ++p) {
     if (p != me) quantize(chunks.narrow(0, p * n, n), sent.narrow(0, p * bytes, bytes), q, block);
   }
-  std::vector<WorkPtr> works;
-  for (int round = 0; round < exchange_rounds(count); ++round) {
-    const int p = exchange_partner(me, count, round);
-    if (p < 0) continue;
-    at::Tensor to = sent.narrow(0, p * bytes, bytes);
-    at::Tensor from = received.narrow(0, p * bytes, bytes);
-    // The lower of a pair sends first, so ranks whose point-to-point calls run one after
-    // another (NCCL) cannot deadlock.
-    if (me < p) {
-      works.push_back(comm.send(to, peers[p]));
-      works.push_back(comm.recv(from, peers[p]));
-    } else {
-      works.push_back(comm.recv(from, peers[p]));
-      works.push_back(comm.send(to, peers[p]));
-    }
-  }
+  std::vector<WorkPtr> works = swap_with_peers(comm, peers, me, sent, received, bytes);
   auto finish = [works, out, chunks, sent, received, bytes, count, me, n, divisor, q,
                  block]() mutable {
     for (auto& w : works) w->wait();

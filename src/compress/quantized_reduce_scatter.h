@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "dtrain/communicator.h"
 #include "dtrain/quantization.h"
@@ -51,6 +52,14 @@ WorkPtr hierarchical_quantized_reduce_scatter(Communicator& comm, Communicator& 
 // Throws InvalidArgument unless `host`'s ranks are ranks [hL, (h + 1)L) of `comm` in order
 // (make_host_group's layout). A collective of `host` (one all-gather of its ranks).
 void check_host_layout(Communicator& comm, Communicator& host);
+
+// The pairwise swap under both forms and the two-level all-reduce: with each peer p (a rank
+// of `comm`; this rank is peers[me]), sends bytes [p b, (p + 1) b) of `sent` and receives
+// into the same range of `received` (b = `bytes`), in the round-robin below. Returns the
+// sends' and receives' Works.
+std::vector<WorkPtr> swap_with_peers(Communicator& comm, const std::vector<int>& peers, int me,
+                                     const at::Tensor& sent, const at::Tensor& received,
+                                     int64_t bytes);
 
 // The partner of `rank` in round `round` of the pairwise exchange among `world` ranks (the
 // circle method); -1 when it sits the round out (odd world). Rounds: world - 1 when even,

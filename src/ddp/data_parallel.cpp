@@ -128,6 +128,11 @@ DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, Commun
     throw InvalidArgument(ctx("DataParallel()"), "bucket caps must be positive");
   }
   hook_ = options_.comm_hook ? options_.comm_hook : allreduce_hook();
+  {
+    std::vector<CommunicatorPtr> used = hook_->communicators();
+    used.insert(used.begin(), comm_);
+    wire_ = StepWire(std::move(used));
+  }
 
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::vector<at::Tensor> everything;

@@ -7,13 +7,16 @@
 
 #include <cmath>
 #include <tuple>
+#include <utility>
 
 #include "compress/quantize.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
 #include "dtrain/quantization.h"
+#include "dtrain/wire_stats.h"
 #include "strategy/test_models.h"
 #include "support/check.h"
+#include "support/hosts.h"
 #include "support/ranks.h"
 
 namespace dtrain {
@@ -142,6 +145,71 @@ INSTANTIATE_TEST_SUITE_P(Ranks, QuantizedHook,
                            return fmt::format("{}_world{}", to_string(std::get<0>(info.param)),
                                               std::get<1>(info.param));
                          });
+
+// The hook in two levels (a host group) over hosts of 2 and 3 ranks: every rank gets the
+// same result, within two quantisations' bound (the other hosts' sums, averaged, then the
+// average), on fewer inter-host bytes than the flat hook.
+TEST(QuantizedHook, TwoLevelsOverHostsAverageWithinTheBoundIdentically) {
+  at::set_num_threads(1);
+  constexpr int64_t kNumel = 1001, kBlock = 64;
+  for (auto [world, local] : {std::pair{4, 2}, std::pair{6, 3}, std::pair{6, 2}}) {
+    for (Quantization q : {Quantization::kInt8, Quantization::kInt4, Quantization::kBf16}) {
+      const std::string what = fmt::format("{} ranks, {} per host, {}", world, local, to_string(q));
+      std::vector<at::Tensor> inputs, results(world), flat(world);
+      std::vector<uint64_t> inter_two(world), inter_flat(world);
+      torch::manual_seed(world * 10 + local);
+      for (int r = 0; r < world; ++r) inputs.push_back(at::randn({kNumel}));
+      const at::Tensor exact = at::stack(inputs).mean(0);
+      std::vector<std::string> names;
+      for (int r = 0; r < world; ++r) names.push_back(fmt::format("host{}", r / local));
+      auto store = make_memory_store();
+      run_threads(world, [&](int r) {
+        CommunicatorPtr comm = make_host_communicator(store, r, names);
+        CommunicatorPtr host = make_host_group(store, r, world, local);
+        for (bool two_level : {true, false}) {
+          auto hook = quantized_allreduce_hook(q, kBlock, two_level ? host : nullptr);
+          GradBucket b;
+          b.buffer = inputs[r].clone();
+          b.parameters = {b.buffer};
+          b.offsets = {0};
+          b.is_last = true;
+          const WireStats before = wire_stats(*comm);
+          hook->run(*comm, b)->wait();
+          const WireStats sent = wire_stats(*comm).since(before);
+          (two_level ? inter_two : inter_flat)[r] = sent.total().inter_host;
+          (two_level ? results : flat)[r] = b.buffer;
+        }
+      });
+      const double steps = q == Quantization::kInt8 ? 254.0 : 14.0;
+      const double hosts = world / local;
+      double host_max = 0;
+      for (int g = 0; g < hosts; ++g) {
+        at::Tensor sum = at::zeros({kNumel});
+        for (int i = 0; i < local; ++i) sum += inputs[g * local + i];
+        host_max = std::max(host_max, sum.abs().max().item<double>());
+      }
+      const double avg_max = exact.abs().max().item<double>();
+      // bf16's bound is relative per value; its largest-magnitude form is looser and valid.
+      const double unit = q == Quantization::kBf16 ? std::ldexp(1.0, -8) : 1.0 / steps;
+      const double bound =
+          ((hosts - 1) / world * host_max + (avg_max + (hosts - 1) / world * host_max * unit)) *
+              unit +
+          1e-5;
+      for (int r = 0; r < world; ++r) {
+        EXPECT_TRUE(at::equal(results[r], results[0])) << what << ": rank " << r;
+        EXPECT_LE((results[r] - exact).abs().max().item<double>(), bound) << what;
+      }
+      uint64_t two = 0, all = 0;
+      for (int r = 0; r < world; ++r) {
+        two += inter_two[r];
+        all += inter_flat[r];
+      }
+      // (Per rank the flat hook's all-gather crosses hosts from the host leaders only.)
+      EXPECT_LT(two, all) << what << ": two-level " << two << ", flat " << all;
+      EXPECT_FALSE(at::equal(results[0], exact)) << what << ": the bound is vacuous";
+    }
+  }
+}
 
 // DataParallel with int8 gradients trains a small regression about as far as fp32.
 TEST(QuantizedHook, Int8TrainingConvergesLikeFp32) {

@@ -152,6 +152,7 @@ for case in \
   "ddp_powersgd:ddp:wire_bytes_all_reduce_inter_host:--strategy=ddp --comm_hook=powersgd --powersgd_rank=1 --powersgd_start_iter=2" \
   "ddp_int8_grads:ddp:wire_bytes_inter_host:--strategy=ddp --quantize_grads=int8" \
   "fsdp_int8_grads:fsdp_full:wire_bytes_inter_host:--strategy=fsdp --sharding=full --quantize_grads=int8" \
+  "fsdp_int4_grads:fsdp_full:wire_bytes_inter_host:--strategy=fsdp --sharding=full --quantize_grads=int4" \
   "fsdp_int8_params:fsdp_full:wire_bytes_all_gather_inter_host:--strategy=fsdp --sharding=full --quantize_params=int8" \
   "fsdp_reshard_host:fsdp_full:wire_bytes_all_gather_inter_host:--strategy=fsdp --sharding=full --reshard_after_forward=host"; do
   name="${case%%:*}"
@@ -166,6 +167,22 @@ for case in \
   close_losses "$name" "$tmp/$base.two.jsonl" "$tmp/$name.two.jsonl" 0.02
   fewer_inter_bytes "$name" "$tmp/$base.two.jsonl" "$tmp/$name.two.jsonl" "$field"
 done
+
+# Quantised gradients across hosts go in two levels (fp32 inside the host, each host's sum
+# quantised between hosts): the trainer says so, and DDP's int8 step sends at least 3x fewer
+# bytes across hosts than uncompressed (a quarter plus the scales; the flat all-gather of
+# every rank's bucket sent half).
+for name in ddp_int8_grads fsdp_int8_grads fsdp_int4_grads; do
+  grep -q "in two levels over hosts of 2 ranks" "$tmp/$name.host0.log" ||
+    fail "$name: the trainer does not report the two-level exchange"
+done
+base=$(last_field "$tmp/ddp.two.jsonl" wire_bytes_inter_host)
+got=$(last_field "$tmp/ddp_int8_grads.two.jsonl" wire_bytes_inter_host)
+if awk -v a="$base" -v b="$got" 'BEGIN { exit !(b + 0 > 0 && 3 * b <= a + 0) }'; then
+  echo "ok: ddp_int8_grads: inter-host bytes per step $got, uncompressed $base (>= 3x fewer)"
+else
+  fail "ddp_int8_grads: inter-host bytes per step $got, not 3x below uncompressed $base"
+fi
 
 # launch SLOT HOST NAME DTRAIN_RUN_ARGS...: starts dtrain-run in host HOST's namespace (0 or 1)
 # with a trainer that never gets past connecting when the launch is wrong; its pid goes to

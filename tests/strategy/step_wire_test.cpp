@@ -18,6 +18,7 @@
 #include "comm/call_header.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/fsdp.h"
+#include "dtrain/quantization.h"
 #include "dtrain/single_device.h"
 #include "dtrain/wire_stats.h"
 #include "strategy/test_models.h"
@@ -173,6 +174,51 @@ TEST(FsdpStepWire, CountsEveryCommunicatorItUsesTheHostGroupIncluded) {
   // The world's reduce-scatters cross hosts (from the host leaders: the hierarchical
   // transport sums inside a host first, so a host's other ranks may send nothing across).
   EXPECT_GT(reduce_scatter_inter.load(), 0u);
+}
+
+// DataParallel with the two-level quantised hook over hosts A A B B: the hook's host group
+// (CommHook::communicators) joins the step's wire, and int8 sends about a quarter of the
+// uncompressed step's bytes across hosts (a bucket of 1040 floats, 4160 bytes in fp32).
+TEST(DataParallelStepWire, CountsTheHooksHostGroupAndSendsAQuarterAcrossHosts) {
+  at::set_num_threads(1);
+  const std::vector<std::string> hosts = {"A", "A", "B", "B"};
+  std::atomic<uint64_t> inter_plain{0}, inter_int8{0};
+  for (bool quantised : {false, true}) {
+    auto store = make_memory_store();
+    run_threads(4, [&](int r) {
+      CommunicatorPtr world = make_host_communicator(store, r, hosts);
+      CommunicatorPtr host = make_host_group(store, r, 4, 2);
+      torch::manual_seed(1);
+      auto model = torch::nn::Linear(64, 16);
+      DataParallelOptions o;
+      if (quantised) o.comm_hook = quantized_allreduce_hook(Quantization::kInt8, 256, host);
+      DataParallel ddp(model.ptr(), world, o);
+      for (int step = 0; step < 3; ++step) {
+        at::Tensor x = at::randn({5, 64});
+        const WireStats world_before = wire_stats(*world), host_before = wire_stats(*host);
+        ddp.backward(ddp.forward([&] { return model->forward(x).square().mean(); }));
+        const WireStats host_sent = wire_stats(*host).since(host_before);
+        WireStats sent = wire_stats(*world).since(world_before);
+        sent += host_sent;
+        const std::string what = fmt::format("rank {} step {} quantised {}", r, step, quantised);
+        expect_same(ddp.last_step_stats().wire, sent, what);
+        DTRAIN_CHECK(!quantised || host_sent.total().intra_host > 0,
+                     "{}: the host group sent "
+                     "nothing",
+                     what);
+        if (step == 2) {
+          const WireBytes data = quantised ? sent.point_to_point : sent.all_reduce;
+          (quantised ? inter_int8 : inter_plain) += data.inter_host;
+        }
+      }
+    });
+  }
+  // Ranks summed: fp32's host leaders exchange the bucket's halves twice (reduce-scatter and
+  // all-gather), each way; int8's four ranks each send two quantised chunks of 260 values
+  // (two blocks of up to 256: 2 scales).
+  const uint64_t chunk = 2 * 4 + 260;  // quantized_bytes(int8, 260, 256)
+  EXPECT_EQ(inter_int8.load(), 4u * 2u * chunk);
+  EXPECT_GT(inter_plain.load(), 3 * inter_int8.load());
 }
 
 // A single device sends nothing and counts nothing: counted is false (metrics: null).
