@@ -414,7 +414,8 @@ struct HybridGroups {
 HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int world_size,
                                 int shard_group_size, const CommunicatorOptions& options = {});
 
-// The communicator of this rank's host for FsdpOptions::host_group, with hosts as
+// The communicator of this rank's host for FsdpOptions::host_group and
+// quantized_allreduce_hook's host_group (dtrain/quantization.h), with hosts as
 // `local_world_size` consecutive ranks (the launcher's numbering: LOCAL_WORLD_SIZE ranks per
 // host); connects through `store` under the name `<options.name>/host_group<h>` (apart from
 // the keys of the world communicator's own per-host groups). Every rank calls it. Throws
