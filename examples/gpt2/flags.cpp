@@ -386,18 +386,16 @@ Config config_from_flags() {
                                       {"powersgd", CommHookKind::kPowerSgd}},
                                      "--comm_hook must be allreduce, fp16, bf16, ps or powersgd");
   using dtrain::Quantization;
-  c.quantize_grads = choose<Quantization>(absl::GetFlag(FLAGS_quantize_grads),
-                                          {{"none", Quantization::kNone},
-                                           {"bf16", Quantization::kBf16},
-                                           {"int8", Quantization::kInt8},
-                                           {"int4", Quantization::kInt4}},
-                                          "--quantize_grads must be int8, int4, bf16 or none");
-  c.quantize_params = choose<Quantization>(absl::GetFlag(FLAGS_quantize_params),
-                                           {{"none", Quantization::kNone},
-                                            {"bf16", Quantization::kBf16},
-                                            {"int8", Quantization::kInt8},
-                                            {"int4", Quantization::kInt4}},
-                                           "--quantize_params must be int8, int4, bf16 or none");
+  auto quantization = [](const std::string& value, const std::string& flag) {
+    return choose<Quantization>(value,
+                                {{"none", Quantization::kNone},
+                                 {"bf16", Quantization::kBf16},
+                                 {"int8", Quantization::kInt8},
+                                 {"int4", Quantization::kInt4}},
+                                flag + " must be int8, int4, bf16 or none");
+  };
+  c.quantize_grads = quantization(absl::GetFlag(FLAGS_quantize_grads), "--quantize_grads");
+  c.quantize_params = quantization(absl::GetFlag(FLAGS_quantize_params), "--quantize_params");
   check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy != StrategyKind::kSingle,
         "--quantize_grads applies to --strategy ddp or fsdp");
   check(c.quantize_grads == dtrain::Quantization::kNone || c.strategy != StrategyKind::kDdp ||

@@ -251,6 +251,14 @@ void Trainer::setup_model_and_strategy() {
   // bf16 on a CPU without native bf16: warned once for the job below, not by each rank's
   // library objects.
   const dtrain::Bf16CpuCheck quiet_bf16_check{blas_.cpu, false};
+  // Several hosts of several ranks: quantised gradients then go in two levels over the
+  // host group, hosts as the launcher numbers them (LOCAL_WORLD_SIZE consecutive ranks).
+  const bool across_hosts =
+      store_ != nullptr && info_.local_world_size > 1 && info_.local_world_size < info_.world_size;
+  auto make_host_group = [&] {
+    return dtrain::make_host_group(store_, info_.rank, info_.world_size, info_.local_world_size,
+                                   info_.communicator_options(comm_options_));
+  };
   std::string details;
   switch (c_.strategy) {
     case StrategyKind::kSingle: {
@@ -274,19 +282,10 @@ void Trainer::setup_model_and_strategy() {
         p.seed = static_cast<uint64_t>(c_.seed);
         o.comm_hook = dtrain::powersgd_hook(p);
       }
-      // Quantised gradients across hosts go in two levels over the host group.
-      const bool across_hosts = store_ != nullptr && info_.local_world_size > 1 &&
-                                info_.local_world_size < info_.world_size;
       if (c_.quantize_grads != dtrain::Quantization::kNone) {
-        dtrain::CommunicatorPtr host_group;
-        if (across_hosts) {
-          // Hosts as the launcher numbers them: LOCAL_WORLD_SIZE consecutive ranks.
-          host_group =
-              dtrain::make_host_group(store_, info_.rank, info_.world_size, info_.local_world_size,
-                                      info_.communicator_options(comm_options_));
-        }
-        o.comm_hook = dtrain::quantized_allreduce_hook(
-            c_.quantize_grads, dtrain::kDefaultQuantizationBlock, host_group);
+        o.comm_hook =
+            dtrain::quantized_allreduce_hook(c_.quantize_grads, dtrain::kDefaultQuantizationBlock,
+                                             across_hosts ? make_host_group() : nullptr);
       }
       strategy_ = std::make_shared<dtrain::DataParallel>(module, comm_, o);
       details =
@@ -324,15 +323,9 @@ void Trainer::setup_model_and_strategy() {
         check(store_ != nullptr,
               "--reshard_after_forward host needs several ranks (a launched job)");
       }
-      // Quantised gradients across hosts go in two levels over the host group.
-      const bool across_hosts = store_ != nullptr && info_.local_world_size > 1 &&
-                                info_.local_world_size < info_.world_size;
       if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost ||
           (c_.quantize_grads != dtrain::Quantization::kNone && across_hosts)) {
-        // Hosts as the launcher numbers them: LOCAL_WORLD_SIZE consecutive ranks.
-        o.host_group =
-            dtrain::make_host_group(store_, info_.rank, info_.world_size, info_.local_world_size,
-                                    info_.communicator_options(comm_options_));
+        o.host_group = make_host_group();
       }
       if (o.sharding == dtrain::ShardingStrategy::kHybridShard) {
         const int group = c_.shard_group_size > 0 ? c_.shard_group_size : info_.local_world_size;

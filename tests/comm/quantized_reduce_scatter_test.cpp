@@ -262,6 +262,27 @@ TEST(QuantizedReduceScatter, RefusesMismatchedSizes) {
   });
 }
 
+// One step per global batch of `xs` (rank r's 1/world of it) of the regression onto
+// x -> x teacher under `fsdp`; the first and the last step's loss.
+std::pair<double, double> train_regression(FullyShardedDataParallel& fsdp,
+                                           torch::optim::Optimizer& opt, MlpImpl& mlp,
+                                           const std::vector<at::Tensor>& xs,
+                                           const at::Tensor& teacher, int r, int world) {
+  double first = 0, last = 0;
+  for (size_t s = 0; s < xs.size(); ++s) {
+    const int64_t local = xs[s].size(0) / world;
+    at::Tensor x = xs[s].narrow(0, r * local, local);
+    opt.zero_grad();
+    at::Tensor loss =
+        fsdp.forward([&] { return at::mse_loss(mlp.forward(x), at::mm(x, teacher)); });
+    fsdp.backward(loss);
+    opt.step();
+    if (s == 0) first = loss.item<double>();
+    last = loss.item<double>();
+  }
+  return {first, last};
+}
+
 // FSDP with int8 gradients trains a small regression about as far as fp32 gradients, on
 // fewer bytes.
 TEST(QuantizedReduceScatter, FsdpInt8TrainingConvergesLikeFp32) {
@@ -291,17 +312,8 @@ TEST(QuantizedReduceScatter, FsdpInt8TrainingConvergesLikeFp32) {
       FullyShardedDataParallel fsdp(models[r],
                                     std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
       torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-      const int64_t local = kBatch * 4 / world;
-      for (int s = 0; s < kSteps; ++s) {
-        at::Tensor x = xs[s].narrow(0, r * local, local);
-        opt.zero_grad();
-        at::Tensor loss =
-            fsdp.forward([&] { return at::mse_loss(mlp.forward(x), at::mm(x, teacher)); });
-        fsdp.backward(loss);
-        opt.step();
-        if (s == 0) results[r].first = loss.item<double>();
-        if (s == kSteps - 1) results[r].last = loss.item<double>();
-      }
+      std::tie(results[r].first, results[r].last) =
+          train_regression(fsdp, opt, mlp, xs, teacher, r, world);
       results[r].bytes = fsdp.last_step_stats().bytes_communicated;
     });
     Result mean;
@@ -354,17 +366,7 @@ TEST(QuantizedReduceScatter, FsdpTwoLevelTrainsLikeFp32OnFewerInterHostBytes) {
       if (two_level) o.host_group = make_host_group(store, r, kWorld, 2);
       FullyShardedDataParallel fsdp(model, world, o);
       torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-      const int64_t local = kBatch * 4 / kWorld;
-      for (int s = 0; s < kSteps; ++s) {
-        at::Tensor x = xs[s].narrow(0, r * local, local);
-        opt.zero_grad();
-        at::Tensor loss =
-            fsdp.forward([&] { return at::mse_loss(mlp.forward(x), at::mm(x, teacher)); });
-        fsdp.backward(loss);
-        opt.step();
-        if (s == 0) first[r] = loss.item<double>();
-        if (s == kSteps - 1) last[r] = loss.item<double>();
-      }
+      std::tie(first[r], last[r]) = train_regression(fsdp, opt, mlp, xs, teacher, r, kWorld);
       inter += fsdp.last_step_stats().wire.total().inter_host;
     });
     Result res;
