@@ -82,10 +82,10 @@ StepSync::Table StepSync::exchange(Point point, const char* op, bool failed) {
   return table;
 }
 
-void StepSync::start_step(const char* op) {
+void StepSync::start_step(const char* op, std::exception_ptr local) {
   check_usable(op);
   ++step_;
-  const Table table = exchange(Point::kStart, op, false);
+  const Table table = exchange(Point::kStart, op, static_cast<bool>(local));
   std::vector<int> with, without, elsewhere;
   for (int r = 0; r < table.rows(); ++r) {
     const int64_t p = table(r, 0);
@@ -105,6 +105,7 @@ void StepSync::start_step(const char* op) {
     throw InvalidArgument(ctx(op), fmt::format("{} had no batch at step {} while {} did",
                                                ranks_text(without), step_, ranks_text(with)));
   }
+  if (auto failure = verdict(table, op, local)) std::rethrow_exception(failure);
 }
 
 void StepSync::finish() {
@@ -126,12 +127,11 @@ void StepSync::finish() {
 std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_ptr local) {
   const Table table = exchange(point, op, static_cast<bool>(local));
   const int world = static_cast<int>(table.rows());
-  std::vector<int> failed, elsewhere;
+  std::vector<int> elsewhere;
   for (int r = 0; r < world; ++r) {
     if (table(r, 0) != static_cast<int64_t>(point) || table(r, 1) != step_) {
       elsewhere.push_back(r);
     }
-    if (table(r, 2) != 0) failed.push_back(r);
   }
   if (!elsewhere.empty()) {
     return break_with(op, "ranks out of step",
@@ -139,6 +139,14 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
                           "rank {} reached {} while {} reached {}", comm_->rank(),
                           point_name(static_cast<int64_t>(point), step_), ranks_text(elsewhere),
                           point_name(table(elsewhere[0], 0), table(elsewhere[0], 1))))));
+  }
+  return verdict(table, op, local);
+}
+
+std::exception_ptr StepSync::verdict(const Table& table, const char* op, std::exception_ptr local) {
+  std::vector<int> failed;
+  for (int r = 0; r < table.rows(); ++r) {
+    if (table(r, 2) != 0) failed.push_back(r);
   }
   if (failed.empty()) return nullptr;
   // Every rank learns the first failing rank's message: one more exchange, on failure only.
