@@ -18,8 +18,8 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <ostream>
 #include <mutex>
+#include <ostream>
 #include <string>
 #include <vector>
 
