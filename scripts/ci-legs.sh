@@ -45,23 +45,21 @@ smoke+='|Checkpoint|BufferCheckpoint|SyncBatchNorm|SyncBatchNormStrategies)[.]'
 smoke+='|^Ranks/(DataParallel|Fsdp)Equivalence[.].*_world2$|^package[.]find_package_consumer$'
 DTRAIN_CI_SMOKE="${DTRAIN_CI_SMOKE:-$smoke}"
 
-leg_forky() {
-  "$root/scripts/chroot.sh" run forky "
+# The whole -Werror build of flavour $1's root in build dir $2, then ctest with the
+# arguments that follow (none: the whole suite).
+build_and_test() {
+  local flavour="$1" dir="$2"
+  shift 2
+  "$root/scripts/chroot.sh" run "$flavour" "
     set -euo pipefail
-    cmake -S . -B build-forky -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WERROR=ON >/dev/null
-    cmake --build build-forky -j $jobs -- -k 0
-    cd build-forky
-    ctest --output-on-failure -j 2 --timeout 600"
+    cmake -S . -B $dir -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WERROR=ON >/dev/null
+    cmake --build $dir -j $jobs -- -k 0
+    cd $dir
+    ctest --output-on-failure -j 2 --timeout 600 $*"
 }
 
-leg_cpu() {
-  "$root/scripts/chroot.sh" run cpu "
-    set -euo pipefail
-    cmake -S . -B build-trixie -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WERROR=ON >/dev/null
-    cmake --build build-trixie -j $jobs -- -k 0
-    cd build-trixie
-    ctest --output-on-failure -j 2 --timeout 600 -R '$DTRAIN_CI_SMOKE'"
-}
+leg_forky() { build_and_test forky build-forky; }
+leg_cpu() { build_and_test cpu build-trixie -R "'$DTRAIN_CI_SMOKE'"; }
 
 leg_cuda() {
   "$root/scripts/chroot.sh" run cuda "

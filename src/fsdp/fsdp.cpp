@@ -268,9 +268,13 @@ std::vector<int64_t> FullyShardedDataParallel::Impl::unit_param_refs() const {
 
 std::exception_ptr FullyShardedDataParallel::Impl::check_optimizer_parameters() const {
   if (shards_handed_out_ || param_refs_.empty()) return nullptr;
-  const std::vector<int64_t> now = unit_param_refs();
-  for (size_t i = 0; i < now.size(); ++i) {
-    if (now[i] <= param_refs_[i]) return nullptr;  // not every parameter is held elsewhere
+  // Stops at the first parameter not held elsewhere: a loop without optimizer pays for one.
+  size_t n = 0;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    for (size_t i = 0; i < f.num_params(); ++i, ++n) {
+      if (static_cast<int64_t>(f.param(i).use_count()) <= param_refs_[n]) return nullptr;
+    }
   }
   return std::make_exception_ptr(InvalidArgument(
       ctx("forward"),
