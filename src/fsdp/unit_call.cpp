@@ -53,7 +53,7 @@ void run_unit(torch::nn::Module& module, ParamsInBackward params_in_backward,
   if (position < 0) {
     // Not a unit of a running FSDP forward: plain, unless it is some FSDP's sharded unit. No
     // map from modules to FSDPs exists (no global state); a released parameter tells.
-    if (schedule == nullptr && any_released(module)) {
+    if (schedule == nullptr && fsdp::any_released(module)) {
       throw InvalidArgument(fsdp::forward_outside_message(module, ""));
     }
     return fn(outputs);
