@@ -27,11 +27,15 @@
 //
 // * Anywhere else the model marks the call with dtrain::unit_call:
 //
+// clang-format off
 //     at::Tensor GptImpl::forward(const at::Tensor& idx) {
 //       at::Tensor x = wte(idx) + wpe(pos);
-//       for (auto& block : blocks) x = dtrain::unit_call(*block, [&] { return block->forward(x);
-//       }); return lm_head(ln_f(x));
+//       for (auto& block : blocks) {
+//         x = dtrain::unit_call(*block, [&] { return block->forward(x); });
+//       }
+//       return lm_head(ln_f(x));
 //     }
+// clang-format on
 //
 //   This is required for units called through a typed handle (`block->forward(x)`) or held
 //   in a torch::nn::ModuleList or ModuleDict: models reach those entries with `->as<T>()`,
@@ -263,7 +267,11 @@ class FullyShardedDataParallel final : public Strategy {
 
   void backward(const at::Tensor& loss) override;
   // What the optimizer must step: the local fp32 shards, one per unit, or with
-  // use_orig_params the per-parameter views (see FsdpOptions::use_orig_params).
+  // use_orig_params the per-parameter views (see FsdpOptions::use_orig_params). Build the
+  // optimizer over these, not over model->parameters(): the module's own parameters are freed
+  // between steps and get no gradient. A training forward throws InvalidArgument on every
+  // rank saying so when neither this nor named_parameters() has been called and every unit
+  // parameter of the module is referenced outside FSDP (what such an optimizer does).
   std::vector<at::Tensor> parameters() override;
   // use_orig_params: the views with their parameters' names and full shapes. Without it,
   // throws InvalidArgument (a flat shard has no single parameter's name or shape).
@@ -296,6 +304,7 @@ class FullyShardedDataParallel final : public Strategy {
   class Impl;
 
  protected:
+  std::vector<at::Tensor> stepped_tensors() override;
   void begin_forward() override;
   void end_forward(at::Tensor& output) override;
   void forward_failed(std::exception_ptr error) noexcept override;

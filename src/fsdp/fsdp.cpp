@@ -196,6 +196,8 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
   cast_buffers();
 }
 
+void FullyShardedDataParallel::Impl::record_param_refs() { param_refs_ = unit_param_refs(); }
+
 void FullyShardedDataParallel::Impl::cast_buffers() {
   const auto dtype = options_.mixed_precision.buffer_dtype;
   if (!dtype) return;
@@ -283,6 +285,7 @@ void FullyShardedDataParallel::Impl::build_units() {
 }
 
 std::vector<NamedParameter> FullyShardedDataParallel::Impl::named_parameters() const {
+  shards_handed_out_ = true;
   if (!options_.use_orig_params) {
     throw InvalidArgument(ctx("named_parameters"),
                           "FSDP steps one flat shard per unit, which mixes parameters: set "
@@ -292,6 +295,11 @@ std::vector<NamedParameter> FullyShardedDataParallel::Impl::named_parameters() c
 }
 
 std::vector<at::Tensor> FullyShardedDataParallel::Impl::parameters() const {
+  shards_handed_out_ = true;
+  return stepped();
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::Impl::stepped() const {
   std::vector<at::Tensor> out;
   if (options_.use_orig_params) {
     for (const auto& v : views_) out.push_back(v.tensor);
@@ -305,14 +313,45 @@ std::vector<at::Tensor> FullyShardedDataParallel::Impl::parameters() const {
 
 // --- a step ---
 
+std::vector<int64_t> FullyShardedDataParallel::Impl::unit_param_refs() const {
+  std::vector<int64_t> refs;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    for (size_t i = 0; i < f.num_params(); ++i) {
+      refs.push_back(static_cast<int64_t>(f.param(i).use_count()));
+    }
+  }
+  return refs;
+}
+
+std::exception_ptr FullyShardedDataParallel::Impl::check_optimizer_parameters() const {
+  if (shards_handed_out_ || param_refs_.empty()) return nullptr;
+  // Stops at the first parameter not held elsewhere: a loop without optimizer pays for one.
+  size_t n = 0;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    for (size_t i = 0; i < f.num_params(); ++i, ++n) {
+      if (static_cast<int64_t>(f.param(i).use_count()) <= param_refs_[n]) return nullptr;
+    }
+  }
+  return std::make_exception_ptr(InvalidArgument(
+      ctx("forward"),
+      "every parameter of the module is held outside FSDP, and parameters() was never "
+      "called: is the optimizer built over model->parameters()? FSDP frees the module's own "
+      "parameters between steps and gives them no gradient, so such an optimizer trains "
+      "nothing. Build it over strategy->parameters() (or strategy->named_parameters() for "
+      "parameter groups), as under every strategy"));
+}
+
 void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
   fsdp::Schedule* active = fsdp::active_schedule();
   if (active != nullptr && active != schedule_.get()) {
     throw InvalidArgument(ctx("forward"), "another FSDP forward is running on this thread");
   }
-  wire_.start();                 // before the step's first collective
-  steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   training_forward_ = c10::GradMode::is_enabled();
+  wire_.start();  // before the step's first collective
+  // First: a rank that called finish() meets this one here; a misuse ends the step everywhere.
+  steps_.start_step("forward", training_forward_ ? check_optimizer_parameters() : nullptr);
   schedule_->set_gradient_sync(gradient_sync);
   for (size_t i = 0; i < schedule_->num_units(); ++i) {
     schedule_->unit(i).flat().release_unshared_shard_grad();
@@ -460,6 +499,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
   }
   s.keep_backward_log();
   s.accumulate();
+
   StepStats& stats = s.stats();
   stats.comm_wait_s = waited_before + std::chrono::duration<double>(done - wait_start).count();
   stats.comm_total_s = std::chrono::duration<double>(done - s.first_reduction()).count();
@@ -510,7 +550,10 @@ void FullyShardedDataParallel::Impl::finish() {
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                    CommunicatorPtr comm, FsdpOptions options)
-    : impl_(std::make_unique<Impl>(std::move(module), std::move(comm), std::move(options))) {}
+    : impl_(std::make_unique<Impl>(std::move(module), std::move(comm), std::move(options))) {
+  // Here, not in Impl's constructor: its locals held every parameter until it returned.
+  impl_->record_param_refs();
+}
 FullyShardedDataParallel::~FullyShardedDataParallel() = default;
 
 void FullyShardedDataParallel::begin_forward() { impl_->begin_forward(requires_gradient_sync()); }
@@ -523,6 +566,7 @@ void FullyShardedDataParallel::backward(const at::Tensor& loss) {
   impl_->backward(loss, requires_gradient_sync());
 }
 std::vector<at::Tensor> FullyShardedDataParallel::parameters() { return impl_->parameters(); }
+std::vector<at::Tensor> FullyShardedDataParallel::stepped_tensors() { return impl_->stepped(); }
 std::vector<NamedParameter> FullyShardedDataParallel::named_parameters() {
   return impl_->named_parameters();
 }

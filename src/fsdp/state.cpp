@@ -164,6 +164,8 @@ StateLayout FullyShardedDataParallel::Impl::state_layout() {
                                 ? std::move(it->second)
                                 : std::move(s));
   }
+  // FSDP broadcasts buffers only at construction (as PyTorch's FSDP): each rank's own.
+  keep_rank_buffers(layout);
   return layout;
 }
 

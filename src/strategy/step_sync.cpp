@@ -107,12 +107,13 @@ StepSync::Table StepSync::exchange(Point point, const char* op, bool failed) {
   return table;
 }
 
-void StepSync::start_step(const char* op) {
+void StepSync::start_step(const char* op, std::exception_ptr local) {
   check_usable(op);
   ++step_;
   step_failed_ = false;
   const bool training = c10::GradMode::is_enabled();
-  const Table table = exchange(training ? Point::kStart : Point::kStartEvaluation, op, false);
+  const Table table = exchange(training ? Point::kStart : Point::kStartEvaluation, op,
+                               static_cast<bool>(local));
   std::vector<int> with, without, elsewhere, trains, evaluates;
   for (int r = 0; r < table.rows(); ++r) {
     const auto p = static_cast<Point>(table(r, 0));
@@ -135,6 +136,7 @@ void StepSync::start_step(const char* op) {
     throw InvalidArgument(ctx(op), fmt::format("{} had no batch at step {} while {} did",
                                                ranks_text(without), step_, ranks_text(with)));
   }
+  if (auto failure = verdict(table, op, local)) std::rethrow_exception(failure);
   // Nothing of the step was issued yet: every rank throws here and the strategy stays usable.
   if (!trains.empty() && !evaluates.empty()) {
     throw InvalidArgument(
@@ -166,12 +168,11 @@ void StepSync::finish() {
 std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_ptr local) {
   const Table table = exchange(point, op, static_cast<bool>(local));
   const int world = static_cast<int>(table.rows());
-  std::vector<int> failed, elsewhere;
+  std::vector<int> elsewhere;
   for (int r = 0; r < world; ++r) {
     if (table(r, 0) != static_cast<int64_t>(point) || table(r, 1) != step_) {
       elsewhere.push_back(r);
     }
-    if (table(r, 2) != 0) failed.push_back(r);
   }
   if (!elsewhere.empty()) {
     return break_with(op, "ranks out of step",
@@ -179,6 +180,14 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
                           "rank {} reached {} while {} reached {}", comm_->rank(),
                           point_name(static_cast<int64_t>(point), step_), ranks_text(elsewhere),
                           point_name(table(elsewhere[0], 0), table(elsewhere[0], 1))))));
+  }
+  return verdict(table, op, local);
+}
+
+std::exception_ptr StepSync::verdict(const Table& table, const char* op, std::exception_ptr local) {
+  std::vector<int> failed;
+  for (int r = 0; r < table.rows(); ++r) {
+    if (table(r, 2) != 0) failed.push_back(r);
   }
   if (failed.empty()) return nullptr;
   step_failed_ = true;

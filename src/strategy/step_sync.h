@@ -57,8 +57,10 @@ class StepSync {
   // on every rank when some called finish() instead ("rank 1 had no batch at step 12 while
   // rank 0 did"), or when some start a training step (grad mode on) and others an evaluation
   // forward ("rank 1 ran an evaluation forward at step 27 while rank 0 ran a training step");
-  // a failed agreement (peer gone, timeout) breaks.
-  void start_step(const char* op);
+  // a failed agreement (peer gone, timeout) breaks. `local`: this rank refuses to start (a
+  // misuse found before any collective of the step); every rank then throws, the refusing
+  // rank its own exception, the others a StepError naming it, and the strategy stays usable.
+  void start_step(const char* op, std::exception_ptr local = nullptr);
 
   // A rank with no more data: the same agreement with "no batch". Returns once every rank
   // called finish(); throws like start_step() when some rank is still stepping.
@@ -84,6 +86,9 @@ class StepSync {
   };
   // Issues the agreement and returns the table.
   Table exchange(Point point, const char* op, bool failed);
+  // The verdict on a table whose ranks agree on the point: null when no rank failed, else
+  // what this rank throws (one more exchange carries the first failing rank's message).
+  std::exception_ptr verdict(const Table& table, const char* op, std::exception_ptr local);
 
   CommunicatorPtr comm_;
   std::string strategy_;

@@ -15,7 +15,7 @@ double Strategy::clip_grad_norm(double max_norm) {
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
     c10::NoGradGuard no_grad;
-    for (auto& p : parameters()) {
+    for (auto& p : stepped_tensors()) {
       if (p.grad().defined()) p.mutable_grad().mul_(coef);
     }
   }
