@@ -24,7 +24,10 @@
 // for the next step. Where a rank cannot keep its collectives in step with the others, it
 // throws CommError on this and every later call, and its peers fail within the communicator's
 // timeout. A forward() run with grad mode on is a training step: backward() must follow it on
-// every rank, as in PyTorch's DDP.
+// every rank, as in PyTorch's DDP. One with grad mode off is an evaluation; every rank must
+// run the same kind at the same step (a rank evaluating while another trains is an
+// InvalidArgument on every rank, "rank 1 ran an evaluation forward at step 27 while rank 0
+// ran a training step ...": with uneven data, call finish() before evaluating).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -214,6 +217,8 @@ class Strategy {
   // Call on every rank once it has no more batches (instead of another forward()).
   // Collective: returns when every rank called it; throws InvalidArgument on every rank when
   // some rank is still stepping, e.g. "rank 1 had no batch at step 12 while rank 0 did".
+  // DataParallel and FSDP (world size > 1) destroyed after training steps without finish()
+  // warn once through TORCH_WARN (not while an exception unwinds or after a failed step).
   virtual void finish() {}
 
   virtual const StepStats& last_step_stats() const = 0;

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "amp/bf16_check.h"
+#include "compat/autocast.h"
 #include "compat/autograd_errors.h"
 #include "compress/quantized_reduce_scatter.h"
 #include "dtrain/errors.h"
@@ -137,6 +138,22 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
       params.front().device().is_cpu()) {
     amp::warn_if_bf16_emulated(options_.mixed_precision.cpu_check, "FullyShardedDataParallel");
   }
+  if (param_dtype_ != at::kFloat && options_.mixed_precision.cast_forward_inputs) {
+    const auto device = params.empty() ? c10::DeviceType::CPU : params.front().device().type();
+    // ATen autocasts CPU to bf16 only, and only CPU and CUDA.
+    if ((device == c10::DeviceType::CPU && param_dtype_ == at::kBFloat16) ||
+        device == c10::DeviceType::CUDA) {
+      compat::AutocastState a;  // the other device type's fields: the caller's, at entry
+      if (device == c10::DeviceType::CPU) {
+        a.cpu = true;
+        a.cpu_dtype = param_dtype_;
+      } else {
+        a.cuda = true;
+        a.cuda_dtype = param_dtype_;
+      }
+      forward_autocast_ = a;
+    }
+  }
   fsdp::ScheduleOptions so;
   so.after_forward = after_forward(options_, ctx("FullyShardedDataParallel()"));
   so.backward_prefetch = options_.backward_prefetch;
@@ -197,19 +214,60 @@ FullyShardedDataParallel::Impl::~Impl() {
   if (fsdp::active_schedule() == schedule_.get()) fsdp::set_active_schedule(nullptr);
 }
 
+namespace {
+
+// Parameters of modules with fp32 running statistics of their own (BatchNorm, SyncBatchNorm,
+// InstanceNorm with track_running_stats; judged by a floating-point "running_mean" buffer,
+// in buffer_dtype once cast): with a lower param_dtype they compute in fp32, since ATen's
+// batch_norm takes a low-precision input only with fp32 weight, bias and statistics.
+std::set<const c10::TensorImpl*> fp32_norm_params(const torch::nn::Module& root,
+                                                  const MixedPrecision& mp) {
+  std::set<const c10::TensorImpl*> out;
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    const torch::nn::Module& m = *item.value();
+    const auto buffers = m.named_buffers(/*recurse=*/false);
+    const at::Tensor* stats = buffers.find("running_mean");
+    if (stats == nullptr || !stats->defined() || !stats->is_floating_point()) continue;
+    if (mp.buffer_dtype.value_or(stats->scalar_type()) != at::kFloat) continue;
+    for (const auto& p : m.parameters(/*recurse=*/false)) {
+      if (p.defined()) out.insert(p.unsafeGetTensorImpl());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void FullyShardedDataParallel::Impl::build_units() {
   c10::NoGradGuard no_grad;
+  const auto fp32_params = fp32_norm_params(*module_, options_.mixed_precision);
   std::set<const torch::nn::Module*> submodules;
-  for (auto& plan : fsdp::plan_units(module_, options_.wrap_policy)) {
+  auto plans = fsdp::plan_units(module_, options_.wrap_policy);
+  if (options_.wrap_policy && plans.size() == 1) {
+    // Usually a type name that is not the module's name() (LibTorch records "BlockImpl" for
+    // a TORCH_MODULE(Block)); silently the whole model would be gathered for every forward.
+    throw InvalidArgument(
+        ctx("FullyShardedDataParallel()"),
+        "the wrap policy matched no submodule, so the model would be one unit (the root, "
+        "gathered whole for every forward); fix the policy (wrap_modules_named matches "
+        "Module::name(), e.g. \"BlockImpl\" for a TORCH_MODULE(Block)) or leave "
+        "FsdpOptions::wrap_policy unset for a root-only FSDP");
+  }
+  for (auto& plan : plans) {
     if (plan.module != module_.get()) submodules.insert(plan.module);
+    std::vector<char> fp32_compute;
+    for (const auto& p : plan.params) {
+      fp32_compute.push_back(static_cast<char>(fp32_params.count(p.unsafeGetTensorImpl())));
+    }
     fsdp::FlatParam flat(
         std::move(plan.params), std::move(plan.param_names),
         fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_, options_.use_orig_params,
                                &buffer_pool_, options_.cpu_offload,
-                               options_.deferred_init ? &*options_.deferred_init : nullptr});
+                               options_.deferred_init ? &*options_.deferred_init : nullptr,
+                               std::move(fp32_compute)});
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }
-  sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules);
+  sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules, schedule_.get());
   if (!options_.use_orig_params) return;
   // Units list parameters unit by unit; the optimizer sees them in module order, as under
   // the other strategies.
@@ -310,9 +368,33 @@ void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
         steps_.break_with("forward", "gathering the root unit failed", std::current_exception()));
   }
   fsdp::set_active_schedule(schedule_.get());
+  enter_forward_autocast();
+}
+
+void FullyShardedDataParallel::Impl::enter_forward_autocast() {
+  if (!forward_autocast_) return;
+  // Only this thread's autocast flags and dtypes change; the ones of the caller's own region
+  // (if any) come back in leave_forward_autocast().
+  compat::AutocastState want = *forward_autocast_;
+  const compat::AutocastState now = compat::AutocastState::current();
+  if (want.cpu) {
+    want.cuda = now.cuda;
+    want.cuda_dtype = now.cuda_dtype;
+  } else {
+    want.cpu = now.cpu;
+    want.cpu_dtype = now.cpu_dtype;
+  }
+  autocast_saved_ = compat::enter_autocast(want);
+}
+
+void FullyShardedDataParallel::Impl::leave_forward_autocast() {
+  if (!autocast_saved_) return;
+  compat::leave_autocast(*autocast_saved_);
+  autocast_saved_.reset();
 }
 
 void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
+  leave_forward_autocast();
   fsdp::set_active_schedule(nullptr);
   schedule_->end_forward(*comm_);
   if (!training_forward_) {
@@ -427,6 +509,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
 // --- failures ---
 
 void FullyShardedDataParallel::Impl::forward_failed(std::exception_ptr error) {
+  leave_forward_autocast();
   fsdp::set_active_schedule(nullptr);
   if (steps_.broken()) return;
   fsdp::Schedule& s = *schedule_;

@@ -9,10 +9,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "compat/autocast.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/buffer_pool.h"
 #include "fsdp/schedule.h"
@@ -55,6 +57,9 @@ class FullyShardedDataParallel::Impl {
   }
   void build_units();
   void cast_buffers();
+  // MixedPrecision::cast_forward_inputs: the autocast region around the forward's fn.
+  void enter_forward_autocast();
+  void leave_forward_autocast();
   void reset_after_failure();
   // A training forward: null, or the InvalidArgument for an optimizer built over the
   // module's parameters (see shards_handed_out_).
@@ -90,6 +95,9 @@ class FullyShardedDataParallel::Impl {
   // host), from forward()'s start to backward()'s end, plus grad_norm()'s all-reduce.
   StepWire wire_;
   bool training_forward_ = false;  // the running forward() has grad mode on
+  // cast_forward_inputs: the autocast state of the forward (param_dtype for the parameters'
+  // device type), and the caller's while one is entered.
+  std::optional<compat::AutocastState> forward_autocast_, autocast_saved_;
   // An optimizer built over model->parameters() steps the module's own parameters, which
   // FSDP frees between steps and gives no gradient: it would train nothing, silently. Such an
   // optimizer holds a reference to every one of them. So at each training forward, until

@@ -1,6 +1,10 @@
 #include "strategy/step_sync.h"
 
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
 #include <algorithm>
+#include <exception>
 #include <vector>
 
 #include <fmt/format.h>
@@ -19,6 +23,8 @@ std::string point_name(int64_t p, int64_t step) {
   switch (static_cast<StepSync::Point>(p)) {
     case StepSync::Point::kStart:
       return fmt::format("the start of step {}", step);
+    case StepSync::Point::kStartEvaluation:
+      return fmt::format("the start of the evaluation forward of step {}", step);
     case StepSync::Point::kFinish:
       return fmt::format("finish() at step {}", step);
     case StepSync::Point::kForwardEnd:
@@ -46,7 +52,26 @@ std::string describe(std::exception_ptr e) {
 }
 
 StepSync::StepSync(CommunicatorPtr comm, std::string strategy)
-    : comm_(std::move(comm)), strategy_(std::move(strategy)) {}
+    : comm_(std::move(comm)),
+      strategy_(std::move(strategy)),
+      // The strategy reports a null communicator itself, after this is built.
+      rank_(comm_ ? comm_->rank() : 0),
+      world_size_(comm_ ? comm_->world_size() : 1) {}
+
+StepSync::~StepSync() {
+  if (!trained_since_finish_ || broken_ || step_failed_ || std::uncaught_exceptions() > 0 ||
+      world_size_ < 2) {
+    return;
+  }
+  try {
+    TORCH_WARN("dtrain ", strategy_, " (rank ", rank_, " of ", world_size_,
+               ") destroyed after training steps without finish(): call strategy->finish() on "
+               "every rank after its last batch (and before evaluating); with uneven data it is "
+               "what reports that a rank ran out of batches");
+  } catch (...) {
+    // a warning handler that throws (warnings as errors) must not end the process here
+  }
+}
 
 ErrorContext StepSync::ctx(const char* op) const {
   return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
@@ -85,14 +110,19 @@ StepSync::Table StepSync::exchange(Point point, const char* op, bool failed) {
 void StepSync::start_step(const char* op, std::exception_ptr local) {
   check_usable(op);
   ++step_;
-  const Table table = exchange(Point::kStart, op, static_cast<bool>(local));
-  std::vector<int> with, without, elsewhere;
+  step_failed_ = false;
+  const bool training = c10::GradMode::is_enabled();
+  const Table table = exchange(training ? Point::kStart : Point::kStartEvaluation, op,
+                               static_cast<bool>(local));
+  std::vector<int> with, without, elsewhere, trains, evaluates;
   for (int r = 0; r < table.rows(); ++r) {
-    const int64_t p = table(r, 0);
-    (p == static_cast<int64_t>(Point::kStart)    ? with
-     : p == static_cast<int64_t>(Point::kFinish) ? without
-                                                 : elsewhere)
-        .push_back(r);
+    const auto p = static_cast<Point>(table(r, 0));
+    if (p == Point::kStart || p == Point::kStartEvaluation) {
+      with.push_back(r);
+      (p == Point::kStart ? trains : evaluates).push_back(r);
+    } else {
+      (p == Point::kFinish ? without : elsewhere).push_back(r);
+    }
   }
   if (!elsewhere.empty()) {
     std::rethrow_exception(break_with(
@@ -101,11 +131,21 @@ void StepSync::start_step(const char* op, std::exception_ptr local) {
             "{} started step {} while {} reached {}", ranks_text(with), step_,
             ranks_text(elsewhere), point_name(table(elsewhere[0], 0), table(elsewhere[0], 1)))))));
   }
+  step_failed_ = !without.empty() || (!trains.empty() && !evaluates.empty());
   if (!without.empty()) {
     throw InvalidArgument(ctx(op), fmt::format("{} had no batch at step {} while {} did",
                                                ranks_text(without), step_, ranks_text(with)));
   }
   if (auto failure = verdict(table, op, local)) std::rethrow_exception(failure);
+  // Nothing of the step was issued yet: every rank throws here and the strategy stays usable.
+  if (!trains.empty() && !evaluates.empty()) {
+    throw InvalidArgument(
+        ctx(op), fmt::format("{} ran an evaluation forward at step {} while {} ran a training "
+                             "step (grad mode on): a rank out of data must call finish() before "
+                             "evaluating, and every rank must evaluate together",
+                             ranks_text(evaluates), step_, ranks_text(trains)));
+  }
+  if (training) trained_since_finish_ = true;
 }
 
 void StepSync::finish() {
@@ -116,7 +156,8 @@ void StepSync::finish() {
   for (int r = 0; r < table.rows(); ++r) {
     (table(r, 0) == static_cast<int64_t>(Point::kFinish) ? without : with).push_back(r);
   }
-  --step_;  // finish() is not a step: a later forward() starts this one
+  --step_;                        // finish() is not a step: a later forward() starts this one
+  trained_since_finish_ = false;  // also when it throws: the mistake is reported
   if (!with.empty()) {
     throw InvalidArgument(
         ctx("finish"), fmt::format("{} had no batch at step {} while {} did", ranks_text(without),
@@ -149,6 +190,7 @@ std::exception_ptr StepSync::verdict(const Table& table, const char* op, std::ex
     if (table(r, 2) != 0) failed.push_back(r);
   }
   if (failed.empty()) return nullptr;
+  step_failed_ = true;
   // Every rank learns the first failing rank's message: one more exchange, on failure only.
   std::vector<uint8_t> message(kMessageBytes, 0);  // NUL-terminated, fixed size
   if (local) {
