@@ -57,7 +57,7 @@ struct FlatParamOptions {
   // from a copy of its own that every gather refreshes from full (refresh_fp32_copies()),
   // holding param_dtype's rounding of the master value. For BatchNorm, whose fp32 running
   // statistics need fp32 weight and bias next to a low-precision input.
-  std::vector<char> fp32_compute;
+  std::vector<char> fp32_compute = {};
 };
 
 class FlatParam {

@@ -20,12 +20,15 @@ Schedule* active_schedule() { return t_active; }
 void set_active_schedule(Schedule* schedule) { t_active = schedule; }
 
 std::string forward_outside_message(const torch::nn::Module& unit, const std::string& unit_name) {
+  // "unit 'h.0' (BlockImpl)" where the name is known, else "unit BlockImpl".
+  const std::string which =
+      unit_name.empty() ? unit.name() : fmt::format("'{}' ({})", unit_name, unit.name());
   return fmt::format(
-      "the forward of FSDP unit {}{} ran outside strategy->forward(): its parameters are sharded "
+      "the forward of FSDP unit {} ran outside strategy->forward(): its parameters are sharded "
       "(not gathered) there. Run every forward of an FSDP model through "
       "strategy->forward([&] {{ ... }}) on every rank, evaluation too (with grad mode off, e.g. "
       "under torch::NoGradGuard)",
-      unit_name.empty() ? "" : "'" + unit_name + "' ", unit.name());
+      which);
 }
 
 namespace {
