@@ -112,8 +112,8 @@ void StepSync::start_step(const char* op, std::exception_ptr local) {
   ++step_;
   step_failed_ = false;
   const bool training = c10::GradMode::is_enabled();
-  const Table table = exchange(training ? Point::kStart : Point::kStartEvaluation, op,
-                               static_cast<bool>(local));
+  const Table table =
+      exchange(training ? Point::kStart : Point::kStartEvaluation, op, static_cast<bool>(local));
   std::vector<int> with, without, elsewhere, trains, evaluates;
   for (int r = 0; r < table.rows(); ++r) {
     const auto p = static_cast<Point>(table(r, 0));
