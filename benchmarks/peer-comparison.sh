@@ -25,7 +25,8 @@
 #   against one process on the global batch (peer_pytorch_gpt2.py --check_single) and the
 #   script stops if it differs.
 #
-# Output: ${OUT:-report/bench}/peer.md with medians and dtrain/PyTorch ratios.
+# Output: ${OUT:-report/bench}/peer.md with medians and dtrain/PyTorch ratios, and with
+# PEER_TORCH=forky peer-goals.json: issue 40's goals for benchmarks/results/make-table.py.
 # STEPS (25), REPEATS (2), TORCH_MALLOC=dtrain|default (below), OMP_WAIT_POLICY (PASSIVE;
 # "default": libgomp's own, see peer-setup.sh).
 set -euo pipefail
@@ -154,6 +155,28 @@ elif peer == "forky":
         ("dtrain single (default)", "dtrain_single", "torch_single"),
         ("dtrain ddp, 2 ranks (default)", "dtrain_ddp", "torch_ddp"),
         ("dtrain fsdp, 2 ranks (default), vs FSDP2", "dtrain_fsdp", "torch_fsdp2")])
+    # Issue 40's goals, as benchmarks/results/make-table.py reads them (peer-goals.json; the
+    # measurement's date, commit, machine and BLAS are added when it is copied there).
+    goals = []
+    def goal(text, target, name, base, key):
+        get = (lambda n: med(n, key)) if key == "tokens_per_s" else peak
+        unit = "tokens/s" if key == "tokens_per_s" else "MiB"
+        goals.append({"goal": text, "issue": 40, "target": target, "value": round(get(name)),
+                      "reference": round(get(base)), "unit": unit})
+    for what, name, base, ref, target in [
+            ("single, like for like", "dtrain_single_std", "torch_single", "PyTorch 2.14 single", ">= 1.0"),
+            ("DDP x2, like for like", "dtrain_ddp_std", "torch_ddp", "PyTorch 2.14 DDP x2", ">= 1.05"),
+            ("FSDP x2, like for like", "dtrain_fsdp_std", "torch_fsdp2", "PyTorch 2.14 FSDP2 x2", ">= 1.15"),
+            ("single, whole example", "dtrain_single", "torch_single", "PyTorch 2.14 single", ">= 1.3"),
+            ("DDP x2, whole example", "dtrain_ddp", "torch_ddp", "PyTorch 2.14 DDP x2", ">= 1.3"),
+            ("FSDP x2, whole example", "dtrain_fsdp", "torch_fsdp2", "PyTorch 2.14 FSDP2 x2", ">= 1.3")]:
+        goal(f"{what}: tokens/s vs {ref}", target, name, base, "tokens_per_s")
+    for what, name, base, ref in [
+            ("single, whole example", "dtrain_single", "torch_single", "PyTorch 2.14 single"),
+            ("DDP x2, whole example", "dtrain_ddp", "torch_ddp", "PyTorch 2.14 DDP x2"),
+            ("FSDP x2, whole example", "dtrain_fsdp", "torch_fsdp2", "PyTorch 2.14 FSDP2 x2")]:
+        goal(f"{what}: peak RSS per rank vs {ref}", "<= 0.6", name, base, "peak_rss_mib")
+    json.dump({"goals": goals}, open(f"{out}/peer-goals.json", "w"), indent=1)
 else:
     table("Like for like: PyTorch 2.6 vs dtrain on LibTorch 2.6, --loss standard, fused attention (SDPA) on both sides", [
         ("PyTorch single", "torch_single", None),
