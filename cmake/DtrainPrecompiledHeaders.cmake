@@ -2,9 +2,8 @@
 #
 # Parsing LibTorch's headers is most of a dtrain source file's compile: ddp/data_parallel.cpp
 # takes 22 s with GCC 12 (15.8 s of it before code generation) and 10 s with a precompiled
-# ATen + torch::nn + fmt; 23 s and 13 s with GCC 16 as C++20. Over the library, the tests and
-# the GPT-2 trainer that halves a whole build, which is what lets CI's four legs fit their
-# time (docs/libtorch.md).
+# ATen + torch::nn + fmt; 23 s and 13 s with GCC 16 as C++20. CI's legs are whole builds on
+# two cores, so this is most of what keeps them within CI's time (docs/libtorch.md).
 #
 #   dtrain_precompile_headers(TARGET [TESTS] [EXCEPT SOURCE...])
 #

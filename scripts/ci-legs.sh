@@ -4,20 +4,20 @@
 # build directory, and with -DDTRAIN_WERROR=ON (warnings in dtrain's own code are errors;
 # LibTorch's and the other dependencies' headers are -isystem and do not count).
 #
-#   scripts/ci-legs.sh [forky] [cpu] [cuda]     (default: all three, in that order)
+#   scripts/ci-legs.sh [forky] [cpu] [cuda]     (default: forky cuda, .ci/run's legs)
 #
 #   forky leg 4: Debian forky (testing), LibTorch 2.14.1 (C++20), GCC 16, CMake 4. The whole
 #         build in build-forky/ and the whole ctest suite: with leg 1 (LibTorch 1.13, C++17)
 #         the oldest and the newest LibTorch both run every test.
-#   cpu   leg 2: trixie, LibTorch 2.6 CPU, GCC 14. In build-trixie/, what the smoke subset of
-#         ctest runs (DTRAIN_CI_SMOKE below: the LibTorch-version-sensitive paths): the
-#         library, the launcher, dtrain_tests, its worker and gpt2_train_tests. Cut from the
-#         whole build and suite when leg 4 came, to keep .ci/run under 75 minutes: LibTorch
-#         2.6 sits between the two fully tested versions, and leg 3 compiles every file
-#         (examples, benchmarks and fuzz targets included) against the same 2.6 headers.
+#   cpu   leg 2, not in .ci/run since leg 4 came (docs/libtorch.md says why): trixie,
+#         LibTorch 2.6 CPU, GCC 14. In build-trixie/, what the smoke subset of ctest runs
+#         (DTRAIN_CI_SMOKE below: the LibTorch-version-sensitive paths): the library, the
+#         launcher, dtrain_tests, its worker and gpt2_train_tests (DTRAIN_CI_SMOKE_TARGETS).
 #   cuda  leg 3: trixie, CUDA LibTorch 2.6 + CUDA 12.4 + NCCL 2.22, -DDTRAIN_WITH_NCCL=ON, in
-#         build-trixie-cuda/. Everything is compiled (the NCCL backend and its tests included)
-#         and linked, but nothing runs: libtorch_cuda.so needs cuDNN (libcudnn.so.9), and
+#         build-trixie-cuda/. What includes CUDA's or CUDA LibTorch's headers is compiled
+#         (DTRAIN_CI_CUDA_TARGETS: the library with the NCCL backend, the GPT-2 trainer with
+#         its CUDA memory and autocast paths, the NCCL tests' object; empty: everything) and
+#         linked, but nothing runs: libtorch_cuda.so needs cuDNN (libcudnn.so.9), and
 #         Debian's nvidia-cudnn package downloads cuDNN from NVIDIA in its install script,
 #         which fails here, so cuDNN is absent. Executables are therefore linked with
 #         -Wl,--allow-shlib-undefined: the linker still resolves every symbol dtrain's own
@@ -35,7 +35,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 legs=("$@")
-[ ${#legs[@]} -gt 0 ] || legs=(forky cpu cuda)
+[ ${#legs[@]} -gt 0 ] || legs=(forky cuda)
 jobs="${DTRAIN_JOBS:-$(nproc)}"
 
 # Leg 2's tests: what differs between LibTorch versions (src/compat: autocast, attention,
@@ -65,13 +65,17 @@ build_and_test() {
 leg_forky() { build_and_test forky build-forky ""; }
 leg_cpu() { build_and_test cpu build-trixie "$DTRAIN_CI_SMOKE_TARGETS" -R "'$DTRAIN_CI_SMOKE'"; }
 
+cuda_targets="dtrain gpt2_train tests/CMakeFiles/dtrain_tests.dir/nccl/nccl_test.cpp.o"
+DTRAIN_CI_CUDA_TARGETS="${DTRAIN_CI_CUDA_TARGETS-$cuda_targets}"
 leg_cuda() {
+  local targets=""
+  [ -z "$DTRAIN_CI_CUDA_TARGETS" ] || targets="--target $DTRAIN_CI_CUDA_TARGETS"
   "$root/scripts/chroot.sh" run cuda "
     set -euo pipefail
     cmake -S . -B build-trixie-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WERROR=ON \
       -DDTRAIN_WITH_NCCL=ON '-DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined' \
       -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST >/dev/null
-    cmake --build build-trixie-cuda -j $jobs -- -k 0"
+    cmake --build build-trixie-cuda -j $jobs $targets -- -k 0"
 }
 
 for leg in "${legs[@]}"; do
