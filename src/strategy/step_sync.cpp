@@ -45,8 +45,24 @@ std::string describe(std::exception_ptr e) {
   }
 }
 
-StepSync::StepSync(CommunicatorPtr comm, std::string strategy)
-    : comm_(std::move(comm)), strategy_(std::move(strategy)) {}
+StepSync::StepSync(CommunicatorPtr comm, std::string strategy, StepChecks checks)
+    : comm_(std::move(comm)),
+      strategy_(std::move(strategy)),
+      // A null communicator is the strategy's to refuse; an agreement on the CPU or among
+      // one rank costs no wait for a device.
+      every_step_(checks == StepChecks::kEveryStep || !comm_ || comm_->world_size() == 1 ||
+                  comm_->device().is_cpu()) {}
+
+std::exception_ptr StepSync::alone(const char* op, std::exception_ptr local) {
+  if (!local) return nullptr;
+  // The peers cannot learn of it in this step: this rank stops issuing collectives, so
+  // theirs fail within the communicator's timeout instead of pairing with the wrong calls.
+  break_with(op,
+             "it failed in a step without per-step agreements (StepChecks::kAuto on a "
+             "device; kEveryStep keeps the strategy usable after a failure)",
+             local);
+  return local;
+}
 
 ErrorContext StepSync::ctx(const char* op) const {
   return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
@@ -85,6 +101,7 @@ StepSync::Table StepSync::exchange(Point point, const char* op, bool failed) {
 void StepSync::start_step(const char* op) {
   check_usable(op);
   ++step_;
+  if (!every_step_) return;
   const Table table = exchange(Point::kStart, op, false);
   std::vector<int> with, without, elsewhere;
   for (int r = 0; r < table.rows(); ++r) {
@@ -124,6 +141,7 @@ void StepSync::finish() {
 }
 
 std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_ptr local) {
+  if (!every_step_) return alone(op, local);
   const Table table = exchange(point, op, static_cast<bool>(local));
   const int world = static_cast<int>(table.rows());
   std::vector<int> failed, elsewhere;
