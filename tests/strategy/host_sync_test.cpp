@@ -13,9 +13,9 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <torch/random.h>
 
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <string>
@@ -121,7 +121,7 @@ double host_reads_per_step(const Case& c, const Plant& plant = nullptr) {
   const int world = c.kind == Kind::kSingle ? 1 : kWorld;
   std::vector<std::shared_ptr<TinyTransformerImpl>> models;
   for (int r = 0; r < world; ++r) {
-    torch::manual_seed(7);  // every rank starts from the same model
+    at::manual_seed(7);  // every rank starts from the same model
     models.push_back(std::make_shared<TinyTransformerImpl>(kVocab, kCtx, 16, 2, 2));
   }
   HostReads before, after;
@@ -156,7 +156,7 @@ double host_reads_per_step(const Case& c, const Plant& plant = nullptr) {
       }
     }
     FusedAdamW opt(s->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-    torch::manual_seed(100 + r);
+    at::manual_seed(100 + r);
     const at::Tensor x = at::randint(kVocab, {kBatch, kCtx}, at::kLong).to(device);
     const at::Tensor y = at::randint(kVocab, {kBatch, kCtx}, at::kLong).to(device);
     auto step = [&](bool measured) {
@@ -234,11 +234,11 @@ TEST(HostSyncClip, DeviceCoefficientClipsAsTheHostOneBitwise) {
       std::vector<std::vector<at::Tensor>> grads;
       std::vector<double> norms;
       for (int variant = 0; variant < 2; ++variant) {
-        torch::manual_seed(7);
+        at::manual_seed(7);
         auto model = std::make_shared<TinyTransformerImpl>(kVocab, kCtx, 16, 2, 2);
         if (bf16) model->to(at::kBFloat16);
         SingleDevice s(model);
-        torch::manual_seed(3);
+        at::manual_seed(3);
         const at::Tensor x = at::randint(kVocab, {kBatch, kCtx}, at::kLong);
         s.backward(s.forward([&] { return model->forward(x).to(at::kFloat).square().mean(); }));
         if (variant == 0) {  // the host clip
