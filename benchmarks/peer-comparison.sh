@@ -18,8 +18,15 @@
 #     like for like  dtrain --loss standard (the same model code, fused attention both sides),
 #                    so the ratio measures the library, not the example's fused loss;
 #     whole example  dtrain's defaults (fused LM-head loss) against the same PyTorch runs.
+# PEER_TORCH=forky: the same inside scripts/chroot.sh's forky root: PyTorch 2.14 against dtrain
+#   built on LibTorch 2.14 in build-forky/ (scripts/ci-legs.sh forky builds it), one compiler
+#   and one OpenBLAS for both. PyTorch's FSDP is FSDP2 (fully_shard on each block, then the
+#   root), with FSDP1 as an extra row. Every distributed PyTorch run first checks its step 0
+#   against one process on the global batch (peer_pytorch_gpt2.py --check_single) and the
+#   script stops if it differs.
 #
-# Output: ${OUT:-report/bench}/peer.md with medians and dtrain/PyTorch ratios.
+# Output: ${OUT:-report/bench}/peer.md with medians and dtrain/PyTorch ratios, and with
+# PEER_TORCH=forky peer-goals.json: issue 40's goals for benchmarks/results/make-table.py.
 # STEPS (25), REPEATS (2), TORCH_MALLOC=dtrain|default (below), OMP_WAIT_POLICY (PASSIVE;
 # "default": libgomp's own, see peer-setup.sh).
 set -euo pipefail
@@ -34,7 +41,14 @@ case "$peer" in
         DTRAIN_BUILD_DIR="${DTRAIN_BUILD_DIR:-$root/build-trixie}" "$root/benchmarks/peer-comparison.sh"
     fi
     ;;
-  *) echo "peer-comparison: PEER_TORCH must be system or trixie, not '$peer'" >&2; exit 2 ;;
+  forky)
+    if [ -z "${PEER_IN_ROOT:-}" ]; then
+      "$root/scripts/chroot.sh" create forky
+      exec "$root/scripts/chroot.sh" run forky env PEER_IN_ROOT=1 PEER_TORCH=forky \
+        DTRAIN_BUILD_DIR="${DTRAIN_BUILD_DIR:-$root/build-forky}" "$root/benchmarks/peer-comparison.sh"
+    fi
+    ;;
+  *) echo "peer-comparison: PEER_TORCH must be system, trixie or forky, not '$peer'" >&2; exit 2 ;;
 esac
 build="${DTRAIN_BUILD_DIR:-$root/build}"
 out="${OUT:-$root/report/bench}"
@@ -62,9 +76,15 @@ py() {
 # logits, then cross_entropy) and with the example's default fused LM-head loss.
 torch_attention=explicit
 strategies=(single ddp)
-if [ "$peer" = trixie ]; then
+torch_fsdp=fsdp  # PyTorch's FSDP of the comparison: FSDP1 on 2.6, FSDP2 on 2.14
+check=()         # --check_single: 2.14's runs first prove they train what one process does
+if [ "$peer" != system ]; then
   torch_attention=sdpa
   strategies=(single ddp fsdp)
+fi
+if [ "$peer" = forky ]; then
+  torch_fsdp=fsdp2
+  check=(--check_single)
 fi
 echo "peer: $(/usr/bin/python3 -c 'import torch; print("PyTorch", torch.__version__)'), attention $torch_attention" >&2
 for i in $(seq 1 "$repeats"); do
@@ -73,8 +93,14 @@ for i in $(seq 1 "$repeats"); do
       py --nproc 1 --attention "$torch_attention" --metrics_out "$out/peer_torch_single_$i.jsonl"
       nproc=()
     else
-      py --nproc 2 --strategy "$s" --attention "$torch_attention" --port $((29600 + i)) \
-        --metrics_out "$out/peer_torch_${s}_$i.jsonl"
+      ts="$s"
+      [ "$s" = fsdp ] && ts="$torch_fsdp"
+      py --nproc 2 --strategy "$ts" --attention "$torch_attention" --port $((29600 + i)) \
+        --metrics_out "$out/peer_torch_${ts}_$i.jsonl" "${check[@]}"
+      if [ "$ts" = fsdp2 ]; then  # FSDP1 as an extra row
+        py --nproc 2 --strategy fsdp --attention "$torch_attention" --port $((29620 + i)) \
+          --metrics_out "$out/peer_torch_fsdp_$i.jsonl" "${check[@]}"
+      fi
       nproc=(--nproc 2)
     fi
     "$train" "${dt[@]}" --strategy "$s" "${nproc[@]}" --loss standard \
@@ -115,6 +141,42 @@ if peer == "system":
         ("dtrain ddp, 2 ranks, standard loss", "dtrain_ddp_std", "torch_ddp"),
         ("dtrain ddp, 2 ranks, fused loss (default)", "dtrain_ddp", "torch_ddp"),
         ("dtrain fsdp, 2 ranks, fused loss (default)", "dtrain_fsdp", "torch_ddp")])
+elif peer == "forky":
+    table("Like for like: PyTorch 2.14 vs dtrain on LibTorch 2.14, --loss standard, fused attention (SDPA) on both sides", [
+        ("PyTorch single", "torch_single", None),
+        ("dtrain single, standard loss", "dtrain_single_std", "torch_single"),
+        ("PyTorch DDP, 2 ranks", "torch_ddp", None),
+        ("dtrain ddp, 2 ranks, standard loss", "dtrain_ddp_std", "torch_ddp"),
+        ("PyTorch FSDP2 (fully_shard per block, then the root), 2 ranks", "torch_fsdp2", None),
+        ("dtrain fsdp, 2 ranks, standard loss", "dtrain_fsdp_std", "torch_fsdp2"),
+        ("PyTorch FSDP1 (full shard, unit per block), 2 ranks (extra row)", "torch_fsdp", None),
+        ("dtrain fsdp, 2 ranks, standard loss, vs FSDP1", "dtrain_fsdp_std", "torch_fsdp")])
+    table("Whole example: dtrain's defaults (fused LM-head loss) vs the same PyTorch 2.14 runs", [
+        ("dtrain single (default)", "dtrain_single", "torch_single"),
+        ("dtrain ddp, 2 ranks (default)", "dtrain_ddp", "torch_ddp"),
+        ("dtrain fsdp, 2 ranks (default), vs FSDP2", "dtrain_fsdp", "torch_fsdp2")])
+    # Issue 40's goals, as benchmarks/results/make-table.py reads them (peer-goals.json; the
+    # measurement's date, commit, machine and BLAS are added when it is copied there).
+    goals = []
+    def goal(text, target, name, base, key):
+        get = (lambda n: med(n, key)) if key == "tokens_per_s" else peak
+        unit = "tokens/s" if key == "tokens_per_s" else "MiB"
+        goals.append({"goal": text, "issue": 40, "target": target, "value": round(get(name)),
+                      "reference": round(get(base)), "unit": unit})
+    for what, name, base, ref, target in [
+            ("single, like for like", "dtrain_single_std", "torch_single", "PyTorch 2.14 single", ">= 1.0"),
+            ("DDP x2, like for like", "dtrain_ddp_std", "torch_ddp", "PyTorch 2.14 DDP x2", ">= 1.05"),
+            ("FSDP x2, like for like", "dtrain_fsdp_std", "torch_fsdp2", "PyTorch 2.14 FSDP2 x2", ">= 1.15"),
+            ("single, whole example", "dtrain_single", "torch_single", "PyTorch 2.14 single", ">= 1.3"),
+            ("DDP x2, whole example", "dtrain_ddp", "torch_ddp", "PyTorch 2.14 DDP x2", ">= 1.3"),
+            ("FSDP x2, whole example", "dtrain_fsdp", "torch_fsdp2", "PyTorch 2.14 FSDP2 x2", ">= 1.3")]:
+        goal(f"{what}: tokens/s vs {ref}", target, name, base, "tokens_per_s")
+    for what, name, base, ref in [
+            ("single, whole example", "dtrain_single", "torch_single", "PyTorch 2.14 single"),
+            ("DDP x2, whole example", "dtrain_ddp", "torch_ddp", "PyTorch 2.14 DDP x2"),
+            ("FSDP x2, whole example", "dtrain_fsdp", "torch_fsdp2", "PyTorch 2.14 FSDP2 x2")]:
+        goal(f"{what}: peak RSS per rank vs {ref}", "<= 0.6", name, base, "peak_rss_mib")
+    json.dump({"goals": goals}, open(f"{out}/peer-goals.json", "w"), indent=1)
 else:
     table("Like for like: PyTorch 2.6 vs dtrain on LibTorch 2.6, --loss standard, fused attention (SDPA) on both sides", [
         ("PyTorch single", "torch_single", None),

@@ -5,10 +5,15 @@ Trains the same GPT-2 shape as `gpt2_train --model tiny` (4 layers, 4 heads, dim
 ctx 128, vocab 50257, tied head, pre-LayerNorm, GELU tanh, GPT-2 init) on synthetic
 tokens with AdamW (betas 0.9/0.95, weight decay 0.1) and gradient clipping at 1.0, either
 in one process (--nproc 1) or over Gloo (--nproc N, one process per rank started with the
-'spawn' method) with DistributedDataParallel (--strategy ddp) or, PyTorch 2.x, FSDP
-(--strategy fsdp: FullyShardedDataParallel, FULL_SHARD, one unit per block plus the root,
-device_id cpu; PyTorch 2.6's fully_shard (FSDP2) fails on CPU with "'Stream' object has no
-attribute 'record_event'", so the CPU FSDP peer is FSDP1). --attention explicit: matmul, mask,
+'spawn' method) with DistributedDataParallel (--strategy ddp) or, PyTorch 2.x, FSDP:
+--strategy fsdp is FSDP1 (FullyShardedDataParallel, FULL_SHARD, one unit per block plus the
+root, device_id cpu); --strategy fsdp2 is what a PyTorch 2.14 user writes, fully_shard on each
+block, then on the root (PyTorch 2.6's fully_shard fails on CPU with "'Stream' object has no
+attribute 'record_event'"; 2.14's trains over gloo). --check_single (with --nproc > 1): before
+training, rank 0 also runs step 0 in one process on every rank's rows together and the run
+fails unless the distributed step-0 loss and gradient norm equal it (relative 1e-4): a peer
+that sums gradients instead of averaging them (reported upstream for FSDP2 over gloo) doubles
+the norm and is never benchmarked. --attention explicit: matmul, mask,
 softmax, matmul (what PyTorch 1.13 offers); sdpa: F.scaled_dot_product_attention (2.x). Threads per rank = cores / ranks, as
 dtrain's trainer does. Writes one JSON line per step (rank 0): tokens_per_s, step_time_s,
 peak_rss_mib (max over ranks).
@@ -110,6 +115,44 @@ class OpProfile:
             f.write("\n")
 
 
+def batch(gen, args):
+    x = torch.randint(0, 50257, (args.batch, 128), generator=gen)
+    y = torch.randint(0, 50257, (args.batch, 128), generator=gen)
+    return x, y
+
+
+def step0_single(model, args, world):
+    """Step 0's loss and gradient norm in one process on every rank's rows (a copy of model)."""
+    import copy
+    m = copy.deepcopy(model)
+    rows = [batch(torch.Generator().manual_seed(1234 + r), args) for r in range(world)]
+    x = torch.cat([r[0] for r in rows])
+    y = torch.cat([r[1] for r in rows])
+    logits = m(x)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"))
+    return loss.item(), norm.item()
+
+
+def check_step0(loss, norm, reference, rank, world):
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    mean = mean.item() / world
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    norm = float(norm)
+    if rank != 0:
+        return
+    want_loss, want_norm = reference
+    ok = abs(mean - want_loss) <= 1e-4 * abs(want_loss) and abs(norm - want_norm) <= 1e-4 * want_norm
+    print(f"check_single: step 0 loss {mean:.6f} vs one process {want_loss:.6f}, "
+          f"grad norm {norm:.6f} vs {want_norm:.6f}: {'equal' if ok else 'DIFFERENT'}", flush=True)
+    if not ok:
+        raise SystemExit("check_single: the distributed run does not train what one process "
+                         "trains on the global batch; not benchmarking it")
+
+
 def run(rank, args):
     world = args.nproc
     torch.set_num_threads(max(1, os.cpu_count() // world))
@@ -121,8 +164,16 @@ def run(rank, args):
         dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(1)
     model = GPT(50257, 128, 4, 4, 256, sdpa=args.attention == "sdpa")
+    reference = None
+    if world > 1 and args.check_single and rank == 0:
+        reference = step0_single(model, args, world)  # before any wrapper touches the weights
     fsdp = world > 1 and args.strategy == "fsdp"
-    if fsdp:
+    if world > 1 and args.strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.h:
+            fully_shard(block)
+        fully_shard(model)
+    elif fsdp:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         model = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy.FULL_SHARD,
@@ -135,8 +186,7 @@ def run(rank, args):
     out = open(args.metrics_out, "w") if rank == 0 else None
     profile = OpProfile() if rank == 0 and args.profile_out else None
     for step in range(args.steps):
-        x = torch.randint(0, 50257, (args.batch, 128), generator=gen)
-        y = torch.randint(0, 50257, (args.batch, 128), generator=gen)
+        x, y = batch(gen, args)
         in_window = args.profile_out and \
             PROFILE_WARMUP_STEPS <= step < PROFILE_WARMUP_STEPS + args.profile_steps
         # The profiler is entered before t0 and left after dt: the same step as step_time_s.
@@ -149,12 +199,14 @@ def run(rank, args):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
             loss.backward()
             if fsdp:
-                model.clip_grad_norm_(1.0)  # the norm over every rank's shards
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                norm = model.clip_grad_norm_(1.0)  # the norm over every rank's shards
+            else:  # FSDP2's DTensor gradients: the global norm, as a replicated DTensor
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             loss_value = loss.item()
             dt = time.perf_counter() - t0
+        if step == 0 and world > 1 and args.check_single:
+            check_step0(loss, norm, reference, rank, world)
         rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
         if world > 1:
             dist.all_reduce(rss, op=dist.ReduceOp.MAX)
@@ -185,8 +237,11 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--port", type=int, default=29611)
-    p.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp",
-                   help="with --nproc > 1: DistributedDataParallel or FullyShardedDataParallel")
+    p.add_argument("--strategy", choices=["ddp", "fsdp", "fsdp2"], default="ddp",
+                   help="with --nproc > 1: DistributedDataParallel, FullyShardedDataParallel "
+                        "(FSDP1) or fully_shard (FSDP2)")
+    p.add_argument("--check_single", action="store_true",
+                   help="with --nproc > 1: fail unless step 0 equals one process on the global batch")
     p.add_argument("--attention", choices=["explicit", "sdpa"], default="explicit",
                    help="explicit matmul-softmax-matmul, or F.scaled_dot_product_attention")
     p.add_argument("--metrics_out", required=True)

@@ -24,6 +24,11 @@ endforeach()
 include(DtrainTorchChecks)
 dtrain_check_torch_abi()
 string(APPEND CMAKE_CXX_FLAGS " ${TORCH_CXX_FLAGS}")
+# The C++ standard: LibTorch's (17, or 20 from LibTorch 2.13), for dtrain's targets and, through
+# dtrain::dtrain's compile features, for every consumer (docs/libtorch.md, "C++ standard").
+dtrain_torch_cxx_standard(DTRAIN_CXX_STANDARD)
+set(CMAKE_CXX_STANDARD ${DTRAIN_CXX_STANDARD})
+message(STATUS "dtrain: C++${DTRAIN_CXX_STANDARD} (what LibTorch's headers need)")
 
 set(DTRAIN_HAS_NCCL OFF)
 if(NOT DTRAIN_WITH_NCCL STREQUAL "OFF")

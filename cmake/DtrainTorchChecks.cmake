@@ -7,6 +7,13 @@
 #                              Abseil, GoogleTest: the distribution's, built with the
 #                              compiler's default) use. Checked by linking a call into Gloo and
 #                              fmt that passes a std::string, compiled with Torch's flag.
+#   dtrain_torch_cxx_standard(<var>)
+#                              The C++ standard LibTorch's headers need: 17, or 20 where they
+#                              refuse C++17 (LibTorch 2.13 and later: "#error C++20 or later
+#                              compatible compiler is required to use ATen"). Probed by
+#                              compiling <ATen/ATen.h> as C++17, not read from a version
+#                              number, so an archive or wheel that differs from its number
+#                              is judged by what it does.
 #   dtrain_torch_nccl(<var>)   When LibTorch links NCCL dynamically (libtorch_cuda.so NEEDs
 #                              libnccl.so.N: Python's torch, Debian's libtorch-cuda), sets
 #                              <var> to that library so dtrain uses the same one; empty when
@@ -63,6 +70,29 @@ function(dtrain_check_torch_abi)
     "archive; Python's torch 2.7 and later), or build Gloo, fmt, Abseil and GoogleTest "
     "yourself with -D_GLIBCXX_USE_CXX11_ABI=${torch_abi} and point CMake at them. "
     "See docs/libtorch.md.")
+endfunction()
+
+function(dtrain_torch_cxx_standard out)
+  # Keyed by LibTorch's include directories: another Torch_DIR in the same build is probed again.
+  string(MD5 key "${TORCH_INCLUDE_DIRS}")
+  string(SUBSTRING "${key}" 0 8 key)
+  set(CMAKE_REQUIRED_QUIET ON)
+  set(CMAKE_TRY_COMPILE_TARGET_TYPE STATIC_LIBRARY)  # compile only: the headers decide
+  set(CMAKE_REQUIRED_INCLUDES ${TORCH_INCLUDE_DIRS})
+  separate_arguments(CMAKE_REQUIRED_DEFINITIONS UNIX_COMMAND "${TORCH_CXX_FLAGS}")
+  foreach(std IN ITEMS 17 20)
+    set(CMAKE_CXX_STANDARD ${std})
+    check_cxx_source_compiles("#include <ATen/ATen.h>\nint main() { return 0; }"
+                              DTRAIN_TORCH_ACCEPTS_CXX${std}_${key})
+    if(DTRAIN_TORCH_ACCEPTS_CXX${std}_${key})
+      set(${out} ${std} PARENT_SCOPE)
+      return()
+    endif()
+  endforeach()
+  message(FATAL_ERROR
+    "dtrain: LibTorch's headers (${TORCH_INCLUDE_DIRS}) compile neither as C++17 nor as C++20 "
+    "with ${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION}; see CMakeConfigureLog.yaml "
+    "(CMake 3.26 and later) or CMakeFiles/CMakeError.log for the compiler's message.")
 endfunction()
 
 function(dtrain_torch_nccl out)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Debian 13 "trixie" build roots for dtrain's other CI legs (LibTorch 2.6, CUDA LibTorch 2.6),
-# made the way Debian builds against another release (sbuild/pbuilder): debootstrap + chroot.
+# Debian build roots for dtrain's other CI legs: Debian 13 "trixie" (LibTorch 2.6, CUDA LibTorch
+# 2.6) and Debian "forky", testing (LibTorch 2.14, C++20), made the way Debian builds against
+# another release (sbuild/pbuilder): debootstrap + chroot.
 #
 #   scripts/chroot.sh create  FLAVOUR      make the root (once) and install its packages
 #   scripts/chroot.sh update  FLAVOUR      apt-get update + upgrade + install the package list
@@ -17,6 +18,11 @@
 #         Debian's nvidia-cudnn fetches cuDNN from NVIDIA in its install script, which fails
 #         without that network, so libcudnn.so.9 is absent: CUDA executables link only with
 #         -Wl,--allow-shlib-undefined and cannot start (scripts/ci-legs.sh says the same).
+#   forky Debian testing: libtorch-dev 2.14 (needs C++20), python3-torch 2.14, g++ 16,
+#         CMake 4, libgloo-dev, GoogleTest 1.17, etcd. bookworm's debootstrap has no forky
+#         script, so the sid script makes it. The archive's forky Release file may be past
+#         its Valid-Until date (a snapshot mirror): this root's apt is told to accept that
+#         (/etc/apt/apt.conf.d/99dtrain-snapshot); the signature is still checked.
 #
 # Idempotent: `create` returns at once when the root exists with the same package list, and
 # installs what is missing when the list changed; `run` creates the root first if needed.
@@ -31,7 +37,8 @@
 #
 # Environment:
 #   DTRAIN_CHROOT_DIR      where roots are cached (default /var/cache/dtrain-chroots): a root
-#                          is DIR/trixie-FLAVOUR; outside the repository on purpose.
+#                          is DIR/trixie-cpu, DIR/trixie-cuda or DIR/forky-cpu; outside the
+#                          repository on purpose.
 #   DTRAIN_DEBIAN_MIRROR   the Debian archive URI; by default read at run time from this
 #                          machine's apt configuration (/etc/apt/sources.list.d/debian.sources,
 #                          else /etc/apt/sources.list): the first non-security "deb" entry.
@@ -41,9 +48,8 @@ set -euo pipefail
 
 src="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${DTRAIN_CHROOT_DIR:-/var/cache/dtrain-chroots}"
-suite=trixie
 
-usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" >&2; exit 2; }
+usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" >&2; exit 2; }
 die() { echo "chroot.sh: $*" >&2; exit 1; }
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -66,14 +72,21 @@ common_pkgs=(
   iproute2
   python3
 )
+suite=trixie
+debootstrap_script=""
 case "$flavour" in
   # etcd-server: the etcd store's tests start a real etcd (3.5 in trixie); etcd-client:
   # their scripts probe it and read its keys with etcdctl (only recommended by the server).
   cpu) pkgs=("${common_pkgs[@]}" libtorch-dev libgloo-dev python3-torch etcd-server etcd-client) ;;
   cuda) pkgs=("${common_pkgs[@]}" libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit libnccl-dev) ;;
-  *) die "unknown flavour '$flavour' (cpu or cuda)" ;;
+  forky)
+    suite=forky
+    debootstrap_script=/usr/share/debootstrap/scripts/sid
+    pkgs=("${common_pkgs[@]}" libtorch-dev libgloo-dev python3-torch etcd-server etcd-client)
+    ;;
+  *) die "unknown flavour '$flavour' (cpu, cuda or forky)" ;;
 esac
-dir="$cache/$suite-$flavour"
+case "$flavour" in forky) dir="$cache/forky-cpu" ;; *) dir="$cache/$suite-$flavour" ;; esac
 stamp="$dir/.dtrain-packages"
 
 # The archive URI from this machine's apt configuration: never written into the project.
@@ -100,8 +113,16 @@ mirror() {
 # Serialises create/update/destroy of one root across processes.
 lock() {
   mkdir -p "$cache"
-  exec 9>"$cache/.$suite-$flavour.lock"
+  exec 9>"$cache/.${dir##*/}.lock"
   flock 9
+}
+
+# The root's apt sources; for testing, also accept a Release file past its Valid-Until date.
+apt_sources() {
+  echo "deb $1 $suite main contrib non-free" >"$dir/etc/apt/sources.list"
+  if [ "$suite" = forky ]; then
+    echo 'Acquire::Check-Valid-Until "false";' >"$dir/etc/apt/apt.conf.d/99dtrain-snapshot"
+  fi
 }
 
 apt_in_root() {
@@ -141,10 +162,11 @@ create() {
   if [ ! -x "$dir/usr/bin/apt-get" ] || [ ! -f "$dir/.dtrain-debootstrap-done" ]; then
     echo "chroot.sh: debootstrap $suite into $dir" >&2
     rm -rf "$dir"
-    debootstrap --variant=minbase "$suite" "$dir" "$uri" >&2
+    # shellcheck disable=SC2086
+    debootstrap --variant=minbase "$suite" "$dir" "$uri" $debootstrap_script >&2
     touch "$dir/.dtrain-debootstrap-done"
   fi
-  echo "deb $uri $suite main contrib non-free" >"$dir/etc/apt/sources.list"
+  apt_sources "$uri"
   cp -L /etc/resolv.conf "$dir/etc/resolv.conf" 2>/dev/null || true
   cp -L /etc/hosts "$dir/etc/hosts" 2>/dev/null || true  # the host name resolves as outside
   echo "chroot.sh: installing ${pkgs[*]} into $dir" >&2
@@ -155,7 +177,7 @@ create() {
 update() {
   [ -f "$dir/.dtrain-debootstrap-done" ] || { create; return; }
   lock
-  echo "deb $(mirror) $suite main contrib non-free" >"$dir/etc/apt/sources.list"
+  apt_sources "$(mirror)"
   cp -L /etc/resolv.conf "$dir/etc/resolv.conf" 2>/dev/null || true
   cp -L /etc/hosts "$dir/etc/hosts" 2>/dev/null || true  # the host name resolves as outside
   apt_in_root update -q >&2

@@ -20,7 +20,6 @@
 #include "cuda_memory.h"
 #include "metrics.h"
 #include "progress.h"
-#include "stop_signal.h"
 
 namespace gpt2 {
 namespace {
@@ -97,7 +96,7 @@ void Trainer::run() {
   report_.start(std::move(labels), schedule.total_steps, schedule.epochs, c_.log_every,
                 c_.metrics_out, resuming);
   if (rank0() && !c_.profile_out.empty()) op_profile_ = std::make_unique<OpProfile>();
-  if (!c_.ckpt_dir.empty()) install_stop_handlers();
+  if (!c_.ckpt_dir.empty()) stop_.emplace();  // SIGTERM/SIGINT: checkpoint, then stop
 
   RunState run;
   run.start_step = run.step = c_.resume ? resume_step() : 0;

@@ -21,6 +21,7 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/grad_scaler.h"
+#include "dtrain/preemption.h"
 #include "dtrain/rendezvous.h"
 #include "dtrain/store.h"
 #include "dtrain/strategy.h"
@@ -107,6 +108,11 @@ class Trainer {
   std::unique_ptr<Task> task_;  // the model, its batches and its loss
   std::shared_ptr<dtrain::Strategy> strategy_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
+  // With --ckpt_dir: SIGTERM/SIGINT become a checkpoint and a stop at the next step boundary;
+  // its received() travels in each step's all-gather (gather_rank_values), so every rank stops
+  // at the same step with no collective of its own.
+  std::optional<dtrain::StopSignal> stop_;
+  int stop_signal() const { return stop_ ? stop_->received() : 0; }
   std::optional<dtrain::Autocast> autocast_;    // --precision bf16/fp16 under single and ddp
   std::unique_ptr<dtrain::GradScaler> scaler_;  // --loss_scale
   Reporter report_;

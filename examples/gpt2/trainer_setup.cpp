@@ -314,6 +314,9 @@ void Trainer::setup_model_and_strategy() {
       if (c_.precision == Precision::kBf16) o.mixed_precision.param_dtype = at::kBFloat16;
       if (c_.precision == Precision::kFp16) o.mixed_precision.param_dtype = at::kHalf;
       o.mixed_precision.cpu_check = quiet_bf16_check;
+      // Token ids in, every parameter in param_dtype: nothing to cast, and autocast would move
+      // softmax and layer_norm to fp32 on CUDA (other numbers than the measured runs').
+      o.mixed_precision.cast_forward_inputs = false;
       if (c_.comm_hook == CommHookKind::kBf16) o.mixed_precision.reduce_dtype = at::kBFloat16;
       if (c_.comm_hook == CommHookKind::kFp16) o.mixed_precision.reduce_dtype = at::kHalf;
       o.quantize_params = c_.quantize_params;

@@ -22,6 +22,7 @@
 #include "dtrain/launcher.h"
 #include "dtrain/memory_plan.h"
 #include "dtrain/powersgd.h"
+#include "dtrain/preemption.h"
 #include "dtrain/quantization.h"
 #include "dtrain/rendezvous.h"
 #include "dtrain/safetensors.h"

@@ -27,11 +27,15 @@
 //
 // * Anywhere else the model marks the call with dtrain::unit_call:
 //
+// clang-format off
 //     at::Tensor GptImpl::forward(const at::Tensor& idx) {
 //       at::Tensor x = wte(idx) + wpe(pos);
-//       for (auto& block : blocks) x = dtrain::unit_call(*block, [&] { return block->forward(x);
-//       }); return lm_head(ln_f(x));
+//       for (auto& block : blocks) {
+//         x = dtrain::unit_call(*block, [&] { return block->forward(x); });
+//       }
+//       return lm_head(ln_f(x));
 //     }
+// clang-format on
 //
 //   This is required for units called through a typed handle (`block->forward(x)`) or held
 //   in a torch::nn::ModuleList or ModuleDict: models reach those entries with `->as<T>()`,
@@ -47,7 +51,20 @@
 //   auto fsdp = std::make_shared<dtrain::FullyShardedDataParallel>(model, comm, o);
 //
 // A submodule that the policy wraps but the model never runs (through a Sequential or
-// unit_call) is an error (detected at the first forward).
+// unit_call) is an error (detected at the first forward), and so is a policy that wraps no
+// submodule at all (InvalidArgument at construction; leave wrap_policy unset for the root
+// unit alone).
+//
+// Every forward of the model, evaluation included, must run inside strategy->forward(), on
+// every rank: outside it the parameters are sharded. A unit reached outside it throws
+// InvalidArgument ("the forward of FSDP unit 'h.0' (BlockImpl) ran outside
+// strategy->forward() ..."): a Sequential entry FSDP routes always; a unit_call once its
+// parameters were freed (every sharding strategy but NO_SHARD, whose kept parameters are the
+// last gathered ones). What FSDP cannot catch: layers the root module calls itself (its own
+// parameters, the root unit's). Nothing runs between the caller and those layers (C++ modules
+// have no forward hooks), so such a forward fails inside LibTorch ("The tensor has a non-zero
+// number of elements, but its data is not allocated yet ..."), or under NO_SHARD or one rank
+// computes with the last gathered values.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -108,14 +125,33 @@ enum class ReshardAfterForward {
 
 struct MixedPrecision {
   // Dtype of the gathered parameters the module computes with (e.g. kBFloat16); unset: fp32.
+  // Exception: the weight and bias of a module with fp32 running statistics of its own
+  // (torch::nn::BatchNorm{1,2,3}d, dtrain::SyncBatchNorm, InstanceNorm with
+  // track_running_stats; a floating-point "running_mean" buffer, fp32 after buffer_dtype)
+  // compute in fp32, holding param_dtype's rounding of their values: ATen's batch_norm takes a
+  // low-precision input only with fp32 weight, bias and statistics, and the statistics stay in
+  // fp32 as under DataParallel. (PyTorch's FSDP1 runs such modules in fp32 the same way;
+  // FSDP2 fails there with "Expected running_mean to have type BFloat16".)
   c10::optional<c10::ScalarType> param_dtype;
   // Dtype gradients are reduced in; unset: param_dtype (or fp32).
   c10::optional<c10::ScalarType> reduce_dtype;
   // Dtype of the module's floating-point buffers (e.g. BatchNorm statistics) while it trains;
-  // unset: unchanged. Buffers are not sharded: they are cast once, at construction, and stay
-  // in this dtype (the module updates them in it). full_state_dict() and checkpoints hold
-  // them in their original dtype, so they load under any strategy.
+  // unset: unchanged (fp32 statistics, with fp32 norm parameters: see param_dtype).
+  // Buffers are not sharded: they are cast once, at construction, and stay in this dtype
+  // (the module updates them in it). full_state_dict() and checkpoints hold them in their
+  // original dtype, so they load under any strategy.
   c10::optional<c10::ScalarType> buffer_dtype;
+  // With param_dtype set: forward()'s function runs in an ATen autocast region of param_dtype
+  // (dtrain/autocast.h) for the parameters' device type, so fp32 tensors reaching a matmul,
+  // convolution or linear (the model's inputs, or what an fp32 op produced) are cast to
+  // param_dtype there: the caller passes fp32 inputs as under the other strategies, as FSDP2's
+  // MixedPrecisionPolicy.cast_forward_inputs casts a module's inputs. Autocast also computes
+  // the ops on its fp32 list in fp32 (losses such as cross_entropy, mse_loss and nll_loss; on
+  // CUDA also softmax, layer_norm and others, whose outputs are then fp32). Applies on the CPU
+  // with bf16 (ATen's CPU autocast has no fp16) and on CUDA; elsewhere, and with false, the
+  // forward runs as written, every input in param_dtype the caller's job. Backward runs outside
+  // the region, as in PyTorch.
+  bool cast_forward_inputs = true;
   // param_dtype bf16 with the module on the CPU, on a CPU without native bf16 (avx512_bf16,
   // AMX-BF16): it trains, many times slower than fp32, and rank 0 warns once at construction
   // through TORCH_WARN. cpu_check.warn = false: no warning; cpu_check.cpu injects the CPU.
@@ -233,7 +269,11 @@ class FullyShardedDataParallel final : public Strategy {
 
   void backward(const at::Tensor& loss) override;
   // What the optimizer must step: the local fp32 shards, one per unit, or with
-  // use_orig_params the per-parameter views (see FsdpOptions::use_orig_params).
+  // use_orig_params the per-parameter views (see FsdpOptions::use_orig_params). Build the
+  // optimizer over these, not over model->parameters(): the module's own parameters are freed
+  // between steps and get no gradient. A training forward throws InvalidArgument on every
+  // rank saying so when neither this nor named_parameters() has been called and every unit
+  // parameter of the module is referenced outside FSDP (what such an optimizer does).
   std::vector<at::Tensor> parameters() override;
   // use_orig_params: the views with their parameters' names and full shapes. Without it,
   // throws InvalidArgument (a flat shard has no single parameter's name or shape).
@@ -267,6 +307,7 @@ class FullyShardedDataParallel final : public Strategy {
   class Impl;
 
  protected:
+  std::vector<at::Tensor> stepped_tensors() override;
   void begin_forward() override;
   void end_forward(at::Tensor& output) override;
   void forward_failed(std::exception_ptr error) noexcept override;

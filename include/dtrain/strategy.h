@@ -1,16 +1,18 @@
 // Strategy: one training loop for every way of spreading a model over ranks.
 //
-//   auto strategy = std::make_shared<dtrain::DataParallel>(model, comm);  // or SingleDevice,
-//   torch::optim::AdamW opt(strategy->parameters(), options);             //
-//   FullyShardedDataParallel for (auto& batch : loader) {
+// clang-format off
+//   // or SingleDevice, FullyShardedDataParallel:
+//   auto strategy = std::make_shared<dtrain::DataParallel>(model, comm);
+//   torch::optim::AdamW opt(strategy->parameters(), options);  // not model->parameters()
+//   for (auto& batch : loader) {
 //     opt.zero_grad();
-//     at::Tensor loss =
-//         strategy->forward([&] { return loss_fn(model->forward(batch.x), batch.y); });
+//     at::Tensor loss = strategy->forward([&] { return loss_fn(model->forward(batch.x), batch.y); });
 //     strategy->backward(loss);       // gradients are reduced when this returns
 //     strategy->clip_grad_norm(1.0);  // global norm, whatever the sharding
 //     opt.step();                     // steps what parameters() returned
 //   }
 //   strategy->finish();  // every rank, after its last batch: uneven data is an error
+// clang-format on
 //
 // The wrapped module's code is never changed. forward() takes the module call as a
 // function so that any forward signature works and strategies can prepare parameters
@@ -22,7 +24,10 @@
 // for the next step. Where a rank cannot keep its collectives in step with the others, it
 // throws CommError on this and every later call, and its peers fail within the communicator's
 // timeout. A forward() run with grad mode on is a training step: backward() must follow it on
-// every rank, as in PyTorch's DDP.
+// every rank, as in PyTorch's DDP. One with grad mode off is an evaluation; every rank must
+// run the same kind at the same step (a rank evaluating while another trains is an
+// InvalidArgument on every rank, "rank 1 ran an evaluation forward at step 27 while rank 0
+// ran a training step ...": with uneven data, call finish() before evaluating).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -64,9 +69,16 @@ enum class StepChecks {
 
 // What the last step cost in communication. Fields that do not apply are 0.
 struct StepStats {
-  int64_t bytes_communicated = 0;  // payload bytes this rank sent into collectives
-  double comm_wait_s = 0;       // time the caller waited on communication (FSDP: also its gathers)
-  double comm_total_s = 0;      // summed duration of the step's collectives
+  // Payload bytes of the step's gradient collectives as the strategy hands them over, in the
+  // gradients' dtype: DDP the buckets given to its comm hook (a compressing hook sends fewer:
+  // the bytes actually sent are in `wire`), FSDP its gathers and reduce-scatters.
+  int64_t bytes_communicated = 0;
+  // Time the caller's thread waited on communication (FSDP: also its gathers).
+  double comm_wait_s = 0;
+  // Wall-clock span from the step's first gradient collective issued to the last one
+  // completed: communication overlaps backward, so this is not a sum of durations and it
+  // includes compute between collectives.
+  double comm_total_s = 0;
   int64_t num_collectives = 0;  // collectives issued by the step (DDP: buckets)
   // Bytes on the wire (dtrain/wire_stats.h): what this rank's transports sent in the step,
   // per collective kind, to ranks of its own host and of other hosts, counted where they
@@ -237,6 +249,8 @@ class Strategy {
   // Call on every rank once it has no more batches (instead of another forward()).
   // Collective: returns when every rank called it; throws InvalidArgument on every rank when
   // some rank is still stepping, e.g. "rank 1 had no batch at step 12 while rank 0 did".
+  // DataParallel and FSDP (world size > 1) destroyed after training steps without finish()
+  // warn once through TORCH_WARN (not while an exception unwinds or after a failed step).
   virtual void finish() {}
 
   virtual const StepStats& last_step_stats() const = 0;
@@ -245,6 +259,9 @@ class Strategy {
   virtual int world_size() const = 0;
 
  protected:
+  // What clip_grad_norm() scales the gradients of: parameters(), taken without handing them
+  // out (FSDP counts a call to parameters() as the optimizer being built over its shards).
+  virtual std::vector<at::Tensor> stepped_tensors() { return parameters(); }
   virtual void begin_forward() {}
   virtual void end_forward(at::Tensor& /*output*/) {}
   // forward()'s fn threw `error`: issue what the other ranks still expect from this step,

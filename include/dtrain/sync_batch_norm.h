@@ -35,7 +35,9 @@
 // collectives are issued in the same order on every rank. A rank that skips one leaves its
 // peers in that all-reduce until the communicator's timeout (TimeoutError), or with
 // DesyncError when its next collective differs. Inputs of reduced precision (fp16, bf16) are
-// normalized in fp32 and the result cast back.
+// normalized in fp32 and the result cast back, in training and in evaluation, whatever the
+// dtypes of the parameters and running statistics (e.g. a bf16 input with fp32 statistics
+// under FSDP's MixedPrecision::param_dtype).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -48,8 +48,15 @@ inline int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// The elements [wb, we) of a slice this rank writes: replicas split a range evenly.
+// The elements [wb, we) of a slice this rank writes: replicas split a range evenly. A buffer
+// is written whole by replica 0 (rank 0): replicas of a buffer can differ (BatchNorm
+// statistics, which each rank updates from its own rows after DataParallel's broadcast), and
+// a stitch of several ranks' copies would be values no rank ever had. Rank 0's is the copy
+// DataParallel broadcasts at the next forward (see keep_rank_buffers for the others').
 inline std::pair<int64_t, int64_t> write_range(const StateSlice& s) {
+  if (s.kind == StateSlice::Kind::kBuffer) {
+    return s.replica == 0 ? std::pair{s.begin, s.end} : std::pair{s.begin, s.begin};
+  }
   const int64_t n = s.end - s.begin;
   return {s.begin + n * s.replica / s.num_replicas, s.begin + n * (s.replica + 1) / s.num_replicas};
 }

@@ -15,9 +15,14 @@
 
 namespace dtrain::compat {
 
+// An owning pointer to an autograd node: std::shared_ptr up to LibTorch 2.13,
+// c10::intrusive_ptr from 2.14.
+using NodePtr =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
 // The autograd node that accumulates `param`'s gradient. Callers must keep the returned
 // pointer alive as long as hooks on it should fire: the parameter holds it only weakly.
-inline std::shared_ptr<torch::autograd::Node> grad_accumulator(const at::Tensor& param) {
+inline NodePtr grad_accumulator(const at::Tensor& param) {
   return torch::autograd::impl::grad_accumulator(param);
 }
 
@@ -25,7 +30,7 @@ inline std::shared_ptr<torch::autograd::Node> grad_accumulator(const at::Tensor&
 // accumulated). The post-hook signature changed between 1.13 and 2.x; LambdaPostHook
 // hides it in both.
 template <typename Fn>
-void add_post_hook(const std::shared_ptr<torch::autograd::Node>& node, Fn fn) {
+void add_post_hook(const NodePtr& node, Fn fn) {
   node->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
       [fn = std::move(fn)](const torch::autograd::variable_list& outputs,
                            const torch::autograd::variable_list& /*inputs*/) {

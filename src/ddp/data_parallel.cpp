@@ -97,13 +97,16 @@ class DataParallel::Reducer {
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> grad_views_;  // per parameter, aliasing its bucket
   std::vector<size_t> bucket_of_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::NodePtr> accumulators_;
   std::shared_ptr<Reducer*> token_;  // hooks hold it weakly: no call after destruction
 
   std::mutex mu_;  // hooks run on autograd's threads
   bool armed_ = false;
   size_t next_launch_ = 0;
-  std::vector<uint8_t> used_;
+  std::vector<uint8_t> used_;  // got its gradient in this backward (bucket readiness)
+  // Got a gradient in some backward since the last synced one (no_sync micro-batches
+  // included): c10d's rule, a parameter used once in a no_sync session counts as used.
+  std::vector<uint8_t> used_since_sync_;
   std::vector<uint8_t> grad_was_none_;  // .grad was undefined at some point this step
   std::vector<size_t> ready_order_;
   int64_t iteration_ = 0;
@@ -153,6 +156,7 @@ DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, Commun
   broadcast_from_rank0(*comm_, everything);
 
   used_.assign(params_.size(), 0);
+  used_since_sync_.assign(params_.size(), 0);
   grad_was_none_.assign(params_.size(), 0);
   std::vector<size_t> order(params_.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
@@ -368,6 +372,7 @@ void DataParallel::Reducer::load_rank_state(const std::map<std::string, at::Tens
 
 void DataParallel::Reducer::on_grad_ready(size_t i) {
   std::lock_guard<std::mutex> lock(mu_);
+  used_since_sync_[i] = 1;  // before the armed check: no_sync backwards count too
   if (!armed_) return;
   if (iteration_ == 0) ready_order_.push_back(i);
   if (used_[i]) return;  // already counted this backward
@@ -437,7 +442,7 @@ std::exception_ptr DataParallel::Reducer::complete_communication(
   }
   if (options_.find_unused_parameters) {
     try {
-      used_everywhere = ControlPlane(*comm_).all_reduce(used_, ReduceOp::kMax);
+      used_everywhere = ControlPlane(*comm_).all_reduce(used_since_sync_, ReduceOp::kMax);
     } catch (...) {
       broken("the unused-parameter all-reduce failed", std::current_exception());
     }
@@ -496,6 +501,7 @@ void DataParallel::Reducer::backward(const at::Tensor& loss, bool gradient_sync)
   for (auto& b : buckets_) b.work.reset();
   if (options_.find_unused_parameters) apply_unused_parameters(used);
   std::fill(grad_was_none_.begin(), grad_was_none_.end(), 0);
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   ++iteration_;
 }
 
@@ -517,6 +523,7 @@ void DataParallel::Reducer::reset_after_failure() {
   next_launch_ = 0;
   launch_order_.clear();
   std::fill(used_.begin(), used_.end(), 0);
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   std::fill(grad_was_none_.begin(), grad_was_none_.end(), 0);
   if (iteration_ == 0) ready_order_.clear();  // a partial order must not shape the buckets
   for (auto& b : buckets_) {
@@ -570,6 +577,8 @@ StateLayout DataParallel::state_layout() {
   layout.load_rank_state = [reducer](const std::map<std::string, at::Tensor>& state) {
     reducer->load_rank_state(state);
   };
+  // Broadcast buffers are rank 0's at the next forward anyway: the model entry suffices.
+  if (!reducer_->options_.broadcast_buffers) keep_rank_buffers(layout);
   return layout;
 }
 double DataParallel::grad_norm() { return grad_norm_tensor().item<double>(); }

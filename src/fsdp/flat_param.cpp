@@ -83,10 +83,19 @@ FlatParam::FlatParam(std::vector<at::Tensor> params, std::vector<std::string> na
     }
   }
   shard_.requires_grad_(true);
+  fp32_copies_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& p = params_[i];
-    p.set_data(full_.narrow(0, offsets_[i], p.numel()).view(p.sizes()));
+    const bool own = i < options_.fp32_compute.size() && options_.fp32_compute[i] != 0 &&
+                     options_.param_dtype != at::kFloat;
+    if (own) {
+      fp32_copies_[i] = at::empty(p.sizes(), full_.options().dtype(at::kFloat));
+      p.set_data(fp32_copies_[i]);
+    } else {
+      p.set_data(full_.narrow(0, offsets_[i], p.numel()).view(p.sizes()));
+    }
   }
+  refresh_fp32_copies();
   if (options_.param_views) {
     for (size_t i = 0; i < params_.size(); ++i) {
       const ShardRange r = shard_range(i);
@@ -135,6 +144,9 @@ void FlatParam::release() {
   if (options_.shard_size == 1 || released()) return;
   at::DataPtr memory = compat::take_storage(full_);
   if (options_.pool != nullptr) options_.pool->give(std::move(memory), full_bytes());
+  for (const at::Tensor& c : fp32_copies_) {
+    if (c.defined()) compat::take_storage(c);
+  }
 }
 
 void FlatParam::refill() {
@@ -144,6 +156,23 @@ void FlatParam::refill() {
                        options_.pool != nullptr ? options_.pool->take(allocator, full_bytes())
                                                 : allocator.allocate(full_bytes()),
                        full_bytes());
+  for (const at::Tensor& c : fp32_copies_) {
+    if (!c.defined()) continue;
+    const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
+    compat::fill_storage(c, compat::storage_allocator(c).allocate(bytes), bytes);
+  }
+}
+
+void FlatParam::refresh_fp32_copies() {
+  if (released()) return;
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < fp32_copies_.size(); ++i) {
+    if (!fp32_copies_[i].defined()) continue;
+    // variable_data(): an alias with a version counter of its own (autograd may have saved
+    // the parameter in a forward whose backward is still to come).
+    fp32_copies_[i].variable_data().copy_(
+        full_.narrow(0, offsets_[i], params_[i].numel()).view(params_[i].sizes()));
+  }
 }
 
 size_t FlatParam::full_bytes() const {

@@ -53,6 +53,11 @@ struct FlatParamOptions {
   // parameters' own memory (deferred or not) is neither read nor kept, and full starts
   // released. Null: the parameters' current values. Must outlive the constructor call.
   const DeferredInit* init = nullptr;
+  // Per parameter (empty: none): parameter i computes in fp32 although param_dtype is lower,
+  // from a copy of its own that every gather refreshes from full (refresh_fp32_copies()),
+  // holding param_dtype's rounding of the master value. For BatchNorm, whose fp32 running
+  // statistics need fp32 weight and bias next to a low-precision input.
+  std::vector<char> fp32_compute = {};
 };
 
 class FlatParam {
@@ -104,6 +109,10 @@ class FlatParam {
   // Gives full memory again when released; contents undefined until gathered into or
   // copied from the shard.
   void refill();
+  // After full received the gathered parameters: the fp32 compute copies
+  // (FlatParamOptions::fp32_compute) take their values from it, without touching the
+  // parameters' version counters.
+  void refresh_fp32_copies();
   // Bumps the parameters' version counters, as an in-place write would: autograd then refuses
   // (with its "modified by an inplace operation" error) to use a parameter it saved before,
   // instead of reading it from released memory.
@@ -163,6 +172,9 @@ class FlatParam {
   at::Tensor full_;
   at::Tensor shard_;
   std::vector<at::Tensor> views_;  // param_views only: one per parameter
+  // FlatParamOptions::fp32_compute: per parameter its fp32 copy (undefined for the others),
+  // released and refilled with full.
+  std::vector<at::Tensor> fp32_copies_;
   bool shares_memory_ = false;
   bool offloaded_ = false;
 };

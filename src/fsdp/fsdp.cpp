@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "amp/bf16_check.h"
+#include "compat/autocast.h"
 #include "compat/autograd_errors.h"
 #include "compress/quantized_reduce_scatter.h"
 #include "dtrain/errors.h"
@@ -137,6 +138,22 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
       params.front().device().is_cpu()) {
     amp::warn_if_bf16_emulated(options_.mixed_precision.cpu_check, "FullyShardedDataParallel");
   }
+  if (param_dtype_ != at::kFloat && options_.mixed_precision.cast_forward_inputs) {
+    const auto device = params.empty() ? c10::DeviceType::CPU : params.front().device().type();
+    // ATen autocasts CPU to bf16 only, and only CPU and CUDA.
+    if ((device == c10::DeviceType::CPU && param_dtype_ == at::kBFloat16) ||
+        device == c10::DeviceType::CUDA) {
+      compat::AutocastState a;  // the other device type's fields: the caller's, at entry
+      if (device == c10::DeviceType::CPU) {
+        a.cpu = true;
+        a.cpu_dtype = param_dtype_;
+      } else {
+        a.cuda = true;
+        a.cuda_dtype = param_dtype_;
+      }
+      forward_autocast_ = a;
+    }
+  }
   fsdp::ScheduleOptions so;
   so.after_forward = after_forward(options_, ctx("FullyShardedDataParallel()"));
   so.backward_prefetch = options_.backward_prefetch;
@@ -179,6 +196,8 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
   cast_buffers();
 }
 
+void FullyShardedDataParallel::Impl::record_param_refs() { param_refs_ = unit_param_refs(); }
+
 void FullyShardedDataParallel::Impl::cast_buffers() {
   const auto dtype = options_.mixed_precision.buffer_dtype;
   if (!dtype) return;
@@ -195,19 +214,60 @@ FullyShardedDataParallel::Impl::~Impl() {
   if (fsdp::active_schedule() == schedule_.get()) fsdp::set_active_schedule(nullptr);
 }
 
+namespace {
+
+// Parameters of modules with fp32 running statistics of their own (BatchNorm, SyncBatchNorm,
+// InstanceNorm with track_running_stats; judged by a floating-point "running_mean" buffer,
+// in buffer_dtype once cast): with a lower param_dtype they compute in fp32, since ATen's
+// batch_norm takes a low-precision input only with fp32 weight, bias and statistics.
+std::set<const c10::TensorImpl*> fp32_norm_params(const torch::nn::Module& root,
+                                                  const MixedPrecision& mp) {
+  std::set<const c10::TensorImpl*> out;
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    const torch::nn::Module& m = *item.value();
+    const auto buffers = m.named_buffers(/*recurse=*/false);
+    const at::Tensor* stats = buffers.find("running_mean");
+    if (stats == nullptr || !stats->defined() || !stats->is_floating_point()) continue;
+    if (mp.buffer_dtype.value_or(stats->scalar_type()) != at::kFloat) continue;
+    for (const auto& p : m.parameters(/*recurse=*/false)) {
+      if (p.defined()) out.insert(p.unsafeGetTensorImpl());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void FullyShardedDataParallel::Impl::build_units() {
   c10::NoGradGuard no_grad;
+  const auto fp32_params = fp32_norm_params(*module_, options_.mixed_precision);
   std::set<const torch::nn::Module*> submodules;
-  for (auto& plan : fsdp::plan_units(module_, options_.wrap_policy)) {
+  auto plans = fsdp::plan_units(module_, options_.wrap_policy);
+  if (options_.wrap_policy && plans.size() == 1) {
+    // Usually a type name that is not the module's name() (LibTorch records "BlockImpl" for
+    // a TORCH_MODULE(Block)); silently the whole model would be gathered for every forward.
+    throw InvalidArgument(
+        ctx("FullyShardedDataParallel()"),
+        "the wrap policy matched no submodule, so the model would be one unit (the root, "
+        "gathered whole for every forward); fix the policy (wrap_modules_named matches "
+        "Module::name(), e.g. \"BlockImpl\" for a TORCH_MODULE(Block)) or leave "
+        "FsdpOptions::wrap_policy unset for a root-only FSDP");
+  }
+  for (auto& plan : plans) {
     if (plan.module != module_.get()) submodules.insert(plan.module);
+    std::vector<char> fp32_compute;
+    for (const auto& p : plan.params) {
+      fp32_compute.push_back(static_cast<char>(fp32_params.count(p.unsafeGetTensorImpl())));
+    }
     fsdp::FlatParam flat(
         std::move(plan.params), std::move(plan.param_names),
         fsdp::FlatParamOptions{shard_size_, shard_rank_, param_dtype_, options_.use_orig_params,
                                &buffer_pool_, options_.cpu_offload,
-                               options_.deferred_init ? &*options_.deferred_init : nullptr});
+                               options_.deferred_init ? &*options_.deferred_init : nullptr,
+                               std::move(fp32_compute)});
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }
-  sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules);
+  sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules, schedule_.get());
   if (!options_.use_orig_params) return;
   // Units list parameters unit by unit; the optimizer sees them in module order, as under
   // the other strategies.
@@ -225,6 +285,7 @@ void FullyShardedDataParallel::Impl::build_units() {
 }
 
 std::vector<NamedParameter> FullyShardedDataParallel::Impl::named_parameters() const {
+  shards_handed_out_ = true;
   if (!options_.use_orig_params) {
     throw InvalidArgument(ctx("named_parameters"),
                           "FSDP steps one flat shard per unit, which mixes parameters: set "
@@ -234,6 +295,11 @@ std::vector<NamedParameter> FullyShardedDataParallel::Impl::named_parameters() c
 }
 
 std::vector<at::Tensor> FullyShardedDataParallel::Impl::parameters() const {
+  shards_handed_out_ = true;
+  return stepped();
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::Impl::stepped() const {
   std::vector<at::Tensor> out;
   if (options_.use_orig_params) {
     for (const auto& v : views_) out.push_back(v.tensor);
@@ -247,14 +313,45 @@ std::vector<at::Tensor> FullyShardedDataParallel::Impl::parameters() const {
 
 // --- a step ---
 
+std::vector<int64_t> FullyShardedDataParallel::Impl::unit_param_refs() const {
+  std::vector<int64_t> refs;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    for (size_t i = 0; i < f.num_params(); ++i) {
+      refs.push_back(static_cast<int64_t>(f.param(i).use_count()));
+    }
+  }
+  return refs;
+}
+
+std::exception_ptr FullyShardedDataParallel::Impl::check_optimizer_parameters() const {
+  if (shards_handed_out_ || param_refs_.empty()) return nullptr;
+  // Stops at the first parameter not held elsewhere: a loop without optimizer pays for one.
+  size_t n = 0;
+  for (size_t k = 0; k < schedule_->num_units(); ++k) {
+    const fsdp::FlatParam& f = schedule_->unit(k).flat();
+    for (size_t i = 0; i < f.num_params(); ++i, ++n) {
+      if (static_cast<int64_t>(f.param(i).use_count()) <= param_refs_[n]) return nullptr;
+    }
+  }
+  return std::make_exception_ptr(InvalidArgument(
+      ctx("forward"),
+      "every parameter of the module is held outside FSDP, and parameters() was never "
+      "called: is the optimizer built over model->parameters()? FSDP frees the module's own "
+      "parameters between steps and gives them no gradient, so such an optimizer trains "
+      "nothing. Build it over strategy->parameters() (or strategy->named_parameters() for "
+      "parameter groups), as under every strategy"));
+}
+
 void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
   fsdp::Schedule* active = fsdp::active_schedule();
   if (active != nullptr && active != schedule_.get()) {
     throw InvalidArgument(ctx("forward"), "another FSDP forward is running on this thread");
   }
-  wire_.start();                 // before the step's first collective
-  steps_.start_step("forward");  // first: a rank that called finish() meets this one here
   training_forward_ = c10::GradMode::is_enabled();
+  wire_.start();  // before the step's first collective
+  // First: a rank that called finish() meets this one here; a misuse ends the step everywhere.
+  steps_.start_step("forward", training_forward_ ? check_optimizer_parameters() : nullptr);
   schedule_->set_gradient_sync(gradient_sync);
   for (size_t i = 0; i < schedule_->num_units(); ++i) {
     schedule_->unit(i).flat().release_unshared_shard_grad();
@@ -271,9 +368,33 @@ void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
         steps_.break_with("forward", "gathering the root unit failed", std::current_exception()));
   }
   fsdp::set_active_schedule(schedule_.get());
+  enter_forward_autocast();
+}
+
+void FullyShardedDataParallel::Impl::enter_forward_autocast() {
+  if (!forward_autocast_) return;
+  // Only this thread's autocast flags and dtypes change; the ones of the caller's own region
+  // (if any) come back in leave_forward_autocast().
+  compat::AutocastState want = *forward_autocast_;
+  const compat::AutocastState now = compat::AutocastState::current();
+  if (want.cpu) {
+    want.cuda = now.cuda;
+    want.cuda_dtype = now.cuda_dtype;
+  } else {
+    want.cpu = now.cpu;
+    want.cpu_dtype = now.cpu_dtype;
+  }
+  autocast_saved_ = compat::enter_autocast(want);
+}
+
+void FullyShardedDataParallel::Impl::leave_forward_autocast() {
+  if (!autocast_saved_) return;
+  compat::leave_autocast(*autocast_saved_);
+  autocast_saved_.reset();
 }
 
 void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
+  leave_forward_autocast();
   fsdp::set_active_schedule(nullptr);
   schedule_->end_forward(*comm_);
   if (!training_forward_) {
@@ -378,6 +499,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
   }
   s.keep_backward_log();
   s.accumulate();
+
   StepStats& stats = s.stats();
   stats.comm_wait_s = waited_before + std::chrono::duration<double>(done - wait_start).count();
   stats.comm_total_s = std::chrono::duration<double>(done - s.first_reduction()).count();
@@ -387,6 +509,7 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
 // --- failures ---
 
 void FullyShardedDataParallel::Impl::forward_failed(std::exception_ptr error) {
+  leave_forward_autocast();
   fsdp::set_active_schedule(nullptr);
   if (steps_.broken()) return;
   fsdp::Schedule& s = *schedule_;
@@ -427,7 +550,10 @@ void FullyShardedDataParallel::Impl::finish() {
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                    CommunicatorPtr comm, FsdpOptions options)
-    : impl_(std::make_unique<Impl>(std::move(module), std::move(comm), std::move(options))) {}
+    : impl_(std::make_unique<Impl>(std::move(module), std::move(comm), std::move(options))) {
+  // Here, not in Impl's constructor: its locals held every parameter until it returned.
+  impl_->record_param_refs();
+}
 FullyShardedDataParallel::~FullyShardedDataParallel() = default;
 
 void FullyShardedDataParallel::begin_forward() { impl_->begin_forward(requires_gradient_sync()); }
@@ -440,6 +566,7 @@ void FullyShardedDataParallel::backward(const at::Tensor& loss) {
   impl_->backward(loss, requires_gradient_sync());
 }
 std::vector<at::Tensor> FullyShardedDataParallel::parameters() { return impl_->parameters(); }
+std::vector<at::Tensor> FullyShardedDataParallel::stepped_tensors() { return impl_->stepped(); }
 std::vector<NamedParameter> FullyShardedDataParallel::named_parameters() {
   return impl_->named_parameters();
 }

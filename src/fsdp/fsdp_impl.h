@@ -9,10 +9,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "compat/autocast.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/buffer_pool.h"
 #include "fsdp/schedule.h"
@@ -45,7 +47,9 @@ class FullyShardedDataParallel::Impl {
   // FsdpOptions::use_orig_params: the per-parameter shard views (module order), or throws.
   std::vector<NamedParameter> named_parameters() const;
   // What the optimizer steps: the views with use_orig_params, else the units' flat shards.
+  // parameters() hands them out (see shards_handed_out_); stepped() is for FSDP's own use.
   std::vector<at::Tensor> parameters() const;
+  std::vector<at::Tensor> stepped() const;
 
  private:
   ErrorContext ctx(const char* op) const {
@@ -53,7 +57,20 @@ class FullyShardedDataParallel::Impl {
   }
   void build_units();
   void cast_buffers();
+  // MixedPrecision::cast_forward_inputs: the autocast region around the forward's fn.
+  void enter_forward_autocast();
+  void leave_forward_autocast();
   void reset_after_failure();
+  // A training forward: null, or the InvalidArgument for an optimizer built over the
+  // module's parameters (see shards_handed_out_).
+  std::exception_ptr check_optimizer_parameters() const;
+
+ public:
+  // Once constructed: the unit parameters' reference counts, FSDP's own holders only.
+  void record_param_refs();
+
+ private:
+  std::vector<int64_t> unit_param_refs() const;
 
   CommunicatorPtr comm_;
   std::shared_ptr<torch::nn::Module> module_;
@@ -78,6 +95,17 @@ class FullyShardedDataParallel::Impl {
   // host), from forward()'s start to backward()'s end, plus grad_norm()'s all-reduce.
   StepWire wire_;
   bool training_forward_ = false;  // the running forward() has grad mode on
+  // cast_forward_inputs: the autocast state of the forward (param_dtype for the parameters'
+  // device type), and the caller's while one is entered.
+  std::optional<compat::AutocastState> forward_autocast_, autocast_saved_;
+  // An optimizer built over model->parameters() steps the module's own parameters, which
+  // FSDP frees between steps and gives no gradient: it would train nothing, silently. Such an
+  // optimizer holds a reference to every one of them. So at each training forward, until
+  // parameters() or named_parameters() hands the shards out, FSDP compares each unit
+  // parameter's reference count with the one at construction: all of them held once more is
+  // that mistake, refused on every rank (a loop with no optimizer holds none of them).
+  mutable bool shards_handed_out_ = false;
+  std::vector<int64_t> param_refs_;  // use_count() of each unit parameter once constructed
 };
 
 }  // namespace dtrain

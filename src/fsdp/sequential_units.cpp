@@ -9,6 +9,8 @@
 
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
+#include "fsdp/active.h"
+#include "fsdp/schedule.h"
 
 namespace dtrain {
 
@@ -50,7 +52,8 @@ constexpr auto kCallTable = call_table(std::make_index_sequence<UnitEntry::kMaxA
 
 }  // namespace
 
-UnitEntry::UnitEntry(AnyModule original) : original_(std::move(original)) {}
+UnitEntry::UnitEntry(AnyModule original, const Schedule* owner)
+    : original_(std::move(original)), owner_(owner) {}
 
 AnyValue UnitEntry::call_original(Arguments&& arguments) {
   if (arguments.size() > kMaxArguments) {
@@ -64,6 +67,13 @@ AnyValue UnitEntry::call_original(Arguments&& arguments) {
 
 AnyValue UnitEntry::forward(Arguments arguments) {
   torch::nn::Module& module = *original_.ptr();
+  // Backward (ARMED) runs a checkpointed unit again, gathered, outside the forward.
+  if (owner_ != nullptr && active_schedule() != owner_ &&
+      owner_->phase() != Schedule::Phase::kArmed) {
+    const int index = owner_->unit_of(module);
+    throw InvalidArgument(forward_outside_message(
+        module, index >= 0 ? owner_->unit(static_cast<size_t>(index)).name() : ""));
+  }
   return unit_call(module, [&] {
     AnyValue out = call_original(std::move(arguments));
     if (out.try_get<at::Tensor>() == nullptr) {
@@ -80,7 +90,8 @@ AnyValue UnitEntry::forward(Arguments arguments) {
 }
 
 SequentialUnits::SequentialUnits(const std::shared_ptr<torch::nn::Module>& root,
-                                 const std::set<const torch::nn::Module*>& units) {
+                                 const std::set<const torch::nn::Module*>& units,
+                                 const Schedule* owner) {
   for (const auto& item : root->named_modules("", /*include_self=*/true)) {
     auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(item.value());
     if (!sequential) continue;
@@ -88,7 +99,7 @@ SequentialUnits::SequentialUnits(const std::shared_ptr<torch::nn::Module>& root,
     for (auto it = sequential->begin(); it != sequential->end(); ++it, ++index) {
       if (units.count(it->ptr().get()) == 0) continue;
       replaced_.push_back(Replaced{sequential, index, *it});
-      *it = AnyModule(std::make_shared<UnitEntry>(*it));
+      *it = AnyModule(std::make_shared<UnitEntry>(*it, owner));
     }
   }
 }

@@ -26,6 +26,8 @@
 
 namespace dtrain::fsdp {
 
+class Schedule;
+
 // Stands in for a unit's entry in a Sequential. Sequential::forward passes it the entry's
 // arguments (any number up to kMaxArguments, any types, default arguments of the original
 // still applied by the original) and gets back what the original returns.
@@ -33,7 +35,10 @@ class UnitEntry final : public torch::nn::Module {
  public:
   static constexpr size_t kMaxArguments = 8;
 
-  explicit UnitEntry(torch::nn::AnyModule original);
+  // `owner`: the schedule whose unit the entry is; its forward outside the owner's forward
+  // (and backward, which recomputes checkpointed units) throws InvalidArgument instead of
+  // computing with sharded parameters. Null: no check (a clone, whose module is no unit).
+  explicit UnitEntry(torch::nn::AnyModule original, const Schedule* owner = nullptr);
 
   torch::nn::AnyValue forward(std::vector<torch::nn::AnyValue> arguments);
 
@@ -43,14 +48,15 @@ class UnitEntry final : public torch::nn::Module {
   torch::nn::AnyValue call_original(std::vector<torch::nn::AnyValue>&& arguments);
 
   torch::nn::AnyModule original_;
+  const Schedule* owner_;
 };
 
 class SequentialUnits {
  public:
   // Replaces, in every Sequential under `root` (root included), each entry whose module is
-  // one of `units`.
+  // one of `units` (units of `owner`).
   SequentialUnits(const std::shared_ptr<torch::nn::Module>& root,
-                  const std::set<const torch::nn::Module*>& units);
+                  const std::set<const torch::nn::Module*>& units, const Schedule* owner);
   ~SequentialUnits();  // restores the original entries
   SequentialUnits(const SequentialUnits&) = delete;
   SequentialUnits& operator=(const SequentialUnits&) = delete;

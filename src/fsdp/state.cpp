@@ -46,7 +46,10 @@ int64_t FullyShardedDataParallel::Impl::model_state_bytes(
     all.push_back(f.shard().grad());
     all.push_back(f.full());
     all.push_back(schedule_->unit(k).held_gradient());
-    for (size_t i = 0; i < f.num_params(); ++i) all.push_back(f.param(i).grad());
+    for (size_t i = 0; i < f.num_params(); ++i) {
+      all.push_back(f.param(i));  // full's views, or fp32 compute copies of their own
+      all.push_back(f.param(i).grad());
+    }
   }
   return tensor_bytes(all);
 }
@@ -163,6 +166,8 @@ StateLayout FullyShardedDataParallel::Impl::state_layout() {
                                 ? std::move(it->second)
                                 : std::move(s));
   }
+  // FSDP broadcasts buffers only at construction (as PyTorch's FSDP): each rank's own.
+  keep_rank_buffers(layout);
   return layout;
 }
 

@@ -127,6 +127,7 @@ void Unit::unshard(const char* why) {
   flat_.refill();
   if (!comms_->shard) {
     flat_.copy_shard_to_full();
+    flat_.refresh_fp32_copies();
     state_ = ParamState::kUnsharded;
   } else {
     gather_input_ = flat_.gather_input();
@@ -153,6 +154,7 @@ void Unit::unshard_from_host(const char* why) {
   flat_.refill();
   if (!comms_->host) {
     flat_.copy_into_full(host_piece_);
+    flat_.refresh_fp32_copies();
     host_piece_ = at::Tensor();
     state_ = ParamState::kUnsharded;
   } else {
@@ -173,6 +175,7 @@ void Unit::wait_unsharded() {
   observer_->waited(Clock::now() - start);
   gather_work_.reset();
   gather_input_ = at::Tensor();
+  flat_.refresh_fp32_copies();
   state_ = ParamState::kUnsharded;
 }
 

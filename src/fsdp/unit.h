@@ -54,15 +54,13 @@
 #include <string>
 #include <vector>
 
+#include "compat/torch_compat.h"
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "dtrain/quantization.h"
 #include "dtrain/work.h"
 #include "fsdp/flat_param.h"
 
-namespace torch::autograd {
-struct Node;
-}
 namespace torch::nn {
 class Module;
 }
@@ -202,7 +200,7 @@ class Unit {
   WorkPtr replicate_work_;  // REPLICATING: the all-reduce over replicas
   at::Tensor reduce_out_;   // REDUCING / REPLICATING / REDUCED
 
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::NodePtr> accumulators_;
 };
 
 }  // namespace dtrain::fsdp

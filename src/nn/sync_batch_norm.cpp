@@ -91,9 +91,22 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   if (!is_training()) {
     // What BatchNorm does in evaluation: the running statistics, or without them this
     // rank's batch statistics (as PyTorch's SyncBatchNorm). Nothing to exchange.
-    return at::batch_norm(input, weight, bias, running_mean, running_var,
-                          /*training=*/!options.track_running_stats(), /*momentum=*/0.0,
-                          options.eps(), at::globalContext().userEnabledCuDNN());
+    const bool same =
+        (!weight.defined() || weight.scalar_type() == input.scalar_type()) &&
+        (!running_mean.defined() || running_mean.scalar_type() == input.scalar_type());
+    if (same) {
+      return at::batch_norm(input, weight, bias, running_mean, running_var,
+                            /*training=*/!options.track_running_stats(), /*momentum=*/0.0,
+                            options.eps(), at::globalContext().userEnabledCuDNN());
+    }
+    // Mixed dtypes (e.g. a bf16 input under FSDP's param_dtype with fp32 statistics): computed
+    // in the training path's precision (fp32, or fp64 for fp64) and cast back, as training does.
+    const auto dtype = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const auto cast = [&](const at::Tensor& t) { return t.defined() ? t.to(dtype) : t; };
+    return at::batch_norm(cast(input), cast(weight), cast(bias), cast(running_mean),
+                          cast(running_var), /*training=*/!options.track_running_stats(),
+                          /*momentum=*/0.0, options.eps(), at::globalContext().userEnabledCuDNN())
+        .to(input.scalar_type());
   }
   nn::GlobalBatchStats stats = nn::reduce_batch_stats(input, *comm_);
   // The same verdict on every rank: the count is global.

@@ -1,6 +1,10 @@
 #include "strategy/step_sync.h"
 
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
 #include <algorithm>
+#include <exception>
 #include <vector>
 
 #include <fmt/format.h>
@@ -19,6 +23,8 @@ std::string point_name(int64_t p, int64_t step) {
   switch (static_cast<StepSync::Point>(p)) {
     case StepSync::Point::kStart:
       return fmt::format("the start of step {}", step);
+    case StepSync::Point::kStartEvaluation:
+      return fmt::format("the start of the evaluation forward of step {}", step);
     case StepSync::Point::kFinish:
       return fmt::format("finish() at step {}", step);
     case StepSync::Point::kForwardEnd:
@@ -51,7 +57,25 @@ StepSync::StepSync(CommunicatorPtr comm, std::string strategy, StepChecks checks
       // A null communicator is the strategy's to refuse; an agreement on the CPU or among
       // one rank costs no wait for a device.
       every_step_(checks == StepChecks::kEveryStep || !comm_ || comm_->world_size() == 1 ||
-                  comm_->device().is_cpu()) {}
+                  comm_->device().is_cpu()),
+      // The strategy reports a null communicator itself, after this is built.
+      rank_(comm_ ? comm_->rank() : 0),
+      world_size_(comm_ ? comm_->world_size() : 1) {}
+
+StepSync::~StepSync() {
+  if (!trained_since_finish_ || broken_ || step_failed_ || std::uncaught_exceptions() > 0 ||
+      world_size_ < 2) {
+    return;
+  }
+  try {
+    TORCH_WARN("dtrain ", strategy_, " (rank ", rank_, " of ", world_size_,
+               ") destroyed after training steps without finish(): call strategy->finish() on "
+               "every rank after its last batch (and before evaluating); with uneven data it is "
+               "what reports that a rank ran out of batches");
+  } catch (...) {
+    // a warning handler that throws (warnings as errors) must not end the process here
+  }
+}
 
 std::exception_ptr StepSync::alone(const char* op, std::exception_ptr local) {
   if (!local) return nullptr;
@@ -98,18 +122,28 @@ StepSync::Table StepSync::exchange(Point point, const char* op, bool failed) {
   return table;
 }
 
-void StepSync::start_step(const char* op) {
+void StepSync::start_step(const char* op, std::exception_ptr local) {
   check_usable(op);
   ++step_;
-  if (!every_step_) return;
-  const Table table = exchange(Point::kStart, op, false);
-  std::vector<int> with, without, elsewhere;
+  step_failed_ = false;
+  const bool training = c10::GradMode::is_enabled();
+  if (!every_step_) {
+    // No agreement: neither a rank's refusal nor a training/evaluation mix reaches the peers.
+    if (auto failure = alone(op, local)) std::rethrow_exception(failure);
+    if (training) trained_since_finish_ = true;
+    return;
+  }
+  const Table table =
+      exchange(training ? Point::kStart : Point::kStartEvaluation, op, static_cast<bool>(local));
+  std::vector<int> with, without, elsewhere, trains, evaluates;
   for (int r = 0; r < table.rows(); ++r) {
-    const int64_t p = table(r, 0);
-    (p == static_cast<int64_t>(Point::kStart)    ? with
-     : p == static_cast<int64_t>(Point::kFinish) ? without
-                                                 : elsewhere)
-        .push_back(r);
+    const auto p = static_cast<Point>(table(r, 0));
+    if (p == Point::kStart || p == Point::kStartEvaluation) {
+      with.push_back(r);
+      (p == Point::kStart ? trains : evaluates).push_back(r);
+    } else {
+      (p == Point::kFinish ? without : elsewhere).push_back(r);
+    }
   }
   if (!elsewhere.empty()) {
     std::rethrow_exception(break_with(
@@ -118,10 +152,21 @@ void StepSync::start_step(const char* op) {
             "{} started step {} while {} reached {}", ranks_text(with), step_,
             ranks_text(elsewhere), point_name(table(elsewhere[0], 0), table(elsewhere[0], 1)))))));
   }
+  step_failed_ = !without.empty() || (!trains.empty() && !evaluates.empty());
   if (!without.empty()) {
     throw InvalidArgument(ctx(op), fmt::format("{} had no batch at step {} while {} did",
                                                ranks_text(without), step_, ranks_text(with)));
   }
+  if (auto failure = verdict(table, op, local)) std::rethrow_exception(failure);
+  // Nothing of the step was issued yet: every rank throws here and the strategy stays usable.
+  if (!trains.empty() && !evaluates.empty()) {
+    throw InvalidArgument(
+        ctx(op), fmt::format("{} ran an evaluation forward at step {} while {} ran a training "
+                             "step (grad mode on): a rank out of data must call finish() before "
+                             "evaluating, and every rank must evaluate together",
+                             ranks_text(evaluates), step_, ranks_text(trains)));
+  }
+  if (training) trained_since_finish_ = true;
 }
 
 void StepSync::finish() {
@@ -132,7 +177,8 @@ void StepSync::finish() {
   for (int r = 0; r < table.rows(); ++r) {
     (table(r, 0) == static_cast<int64_t>(Point::kFinish) ? without : with).push_back(r);
   }
-  --step_;  // finish() is not a step: a later forward() starts this one
+  --step_;                        // finish() is not a step: a later forward() starts this one
+  trained_since_finish_ = false;  // also when it throws: the mistake is reported
   if (!with.empty()) {
     throw InvalidArgument(
         ctx("finish"), fmt::format("{} had no batch at step {} while {} did", ranks_text(without),
@@ -144,12 +190,11 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
   if (!every_step_) return alone(op, local);
   const Table table = exchange(point, op, static_cast<bool>(local));
   const int world = static_cast<int>(table.rows());
-  std::vector<int> failed, elsewhere;
+  std::vector<int> elsewhere;
   for (int r = 0; r < world; ++r) {
     if (table(r, 0) != static_cast<int64_t>(point) || table(r, 1) != step_) {
       elsewhere.push_back(r);
     }
-    if (table(r, 2) != 0) failed.push_back(r);
   }
   if (!elsewhere.empty()) {
     return break_with(op, "ranks out of step",
@@ -158,7 +203,16 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
                           point_name(static_cast<int64_t>(point), step_), ranks_text(elsewhere),
                           point_name(table(elsewhere[0], 0), table(elsewhere[0], 1))))));
   }
+  return verdict(table, op, local);
+}
+
+std::exception_ptr StepSync::verdict(const Table& table, const char* op, std::exception_ptr local) {
+  std::vector<int> failed;
+  for (int r = 0; r < table.rows(); ++r) {
+    if (table(r, 2) != 0) failed.push_back(r);
+  }
   if (failed.empty()) return nullptr;
+  step_failed_ = true;
   // Every rank learns the first failing rank's message: one more exchange, on failure only.
   std::vector<uint8_t> message(kMessageBytes, 0);  // NUL-terminated, fixed size
   if (local) {

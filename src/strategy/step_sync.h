@@ -35,11 +35,24 @@ namespace dtrain {
 class StepSync {
  public:
   // Where in a step an agreement is; ranks at different points are out of step.
-  enum class Point : int64_t { kStart = 1, kFinish = 2, kForwardEnd = 3, kBackwardEnd = 4 };
+  // kStart begins a training step (grad mode on), kStartEvaluation an evaluation forward.
+  enum class Point : int64_t {
+    kStart = 1,
+    kFinish = 2,
+    kForwardEnd = 3,
+    kBackwardEnd = 4,
+    kStartEvaluation = 5,
+  };
 
   // The agreements go through the control plane (comm/control_plane.h): on the
   // communicator's device.
   StepSync(CommunicatorPtr comm, std::string strategy, StepChecks checks = StepChecks::kAuto);
+  // Warns once (TORCH_WARN) when training steps ran since the last finish() at world size > 1:
+  // forgetting finish() goes unnoticed with even data, and uneven data then fails far from its
+  // cause. Not while an exception unwinds, nor after a step failed or the strategy broke.
+  ~StepSync();
+  StepSync(const StepSync&) = delete;
+  StepSync& operator=(const StepSync&) = delete;
 
   // Whether start_step() and agree() exchange anything (see the policy above).
   bool agrees_every_step() const { return every_step_; }
@@ -53,8 +66,12 @@ class StepSync {
 
   // Start of a forward(): every rank must be starting the same step. Throws InvalidArgument
   // on every rank when some called finish() instead ("rank 1 had no batch at step 12 while
-  // rank 0 did"); a failed agreement (peer gone, timeout) breaks.
-  void start_step(const char* op);
+  // rank 0 did"), or when some start a training step (grad mode on) and others an evaluation
+  // forward ("rank 1 ran an evaluation forward at step 27 while rank 0 ran a training step");
+  // a failed agreement (peer gone, timeout) breaks. `local`: this rank refuses to start (a
+  // misuse found before any collective of the step); every rank then throws, the refusing
+  // rank its own exception, the others a StepError naming it, and the strategy stays usable.
+  void start_step(const char* op, std::exception_ptr local = nullptr);
 
   // A rank with no more data: the same agreement with "no batch". Returns once every rank
   // called finish(); throws like start_step() when some rank is still stepping.
@@ -80,6 +97,9 @@ class StepSync {
   };
   // Issues the agreement and returns the table.
   Table exchange(Point point, const char* op, bool failed);
+  // The verdict on a table whose ranks agree on the point: null when no rank failed, else
+  // what this rank throws (one more exchange carries the first failing rank's message).
+  std::exception_ptr verdict(const Table& table, const char* op, std::exception_ptr local);
 
   // Without per-step agreements: breaks on a local failure and returns it.
   std::exception_ptr alone(const char* op, std::exception_ptr local);
@@ -89,6 +109,9 @@ class StepSync {
   bool every_step_;
   int64_t step_ = -1;
   std::exception_ptr broken_;
+  int rank_, world_size_;  // for the destructor's warning (a borrowed communicator may be gone)
+  bool trained_since_finish_ = false;  // a training step started since finish()
+  bool step_failed_ = false;           // the last agreement reported a failure
 };
 
 // what() of an exception_ptr, for messages ("unknown exception" for non-std exceptions).

@@ -28,7 +28,7 @@ at::Tensor Strategy::clip_grad_norm_tensor(double max_norm) {
   const at::Tensor coef = at::full({}, max_norm, norm.options()).div_(norm + 1e-6).clamp_max_(1.0);
   coef.nan_to_num_(1.0);  // a NaN norm clips nothing, as the host test `coef < 1` did
   std::map<std::tuple<int, int, at::ScalarType>, std::vector<at::Tensor>> groups;
-  for (auto& p : parameters()) {
+  for (auto& p : stepped_tensors()) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) continue;
     groups[{static_cast<int>(g.device().type()), g.device().index(), g.scalar_type()}].push_back(g);

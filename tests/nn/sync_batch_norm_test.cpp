@@ -325,6 +325,41 @@ struct WrapperImpl : torch::nn::Module {
 };
 TORCH_MODULE(Wrapper);
 
+// Evaluation with a bf16 input and bf16 weight next to fp32 statistics (what FSDP's
+// param_dtype bf16 made of them before it kept norm parameters in fp32): computed in fp32 and
+// cast back, as training does, instead of ATen's "expected scalar type BFloat16 but found
+// Float".
+TEST(SyncBatchNorm, EvaluationHandlesMixedDtypesLikeTraining) {
+  run_ranks(1, [](Communicator& comm) {
+    torch::manual_seed(3);
+    SyncBatchNorm bn(torch::nn::BatchNormOptions(4), borrowed(comm));
+    {
+      at::NoGradGuard no_grad;
+      bn->weight.uniform_(0.5, 1.5);
+      bn->bias.uniform_(-0.5, 0.5);
+      bn->running_mean.uniform_(-1, 1);
+      bn->running_var.uniform_(0.5, 2);
+    }
+    const at::Tensor x = at::randn({3, 4, 5}).to(at::kBFloat16);
+    const at::Tensor want =
+        at::batch_norm(x.to(at::kFloat), bn->weight.to(at::kBFloat16).to(at::kFloat),
+                       bn->bias.to(at::kBFloat16).to(at::kFloat), bn->running_mean, bn->running_var,
+                       false, 0.0, 1e-5, false)
+            .to(at::kBFloat16);
+    for (auto* p : {&bn->weight, &bn->bias}) p->set_data(p->detach().to(at::kBFloat16));
+    bn->eval();
+    const at::Tensor got = bn->forward(x);
+    DTRAIN_CHECK(got.scalar_type() == at::kBFloat16, "output {}", c10::toString(got.scalar_type()));
+    DTRAIN_CHECK(at::equal(got, want), "max |diff| {}",
+                 (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<double>());
+    // fp32 parameters and statistics with a bf16 input (FSDP's norm parameters now): the same.
+    for (auto* p : {&bn->weight, &bn->bias}) p->set_data(p->detach().to(at::kFloat));
+    const at::Tensor again = bn->forward(x);
+    DTRAIN_CHECK(at::equal(again, want), "fp32 parameters: max |diff| {}",
+                 (again.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<double>());
+  });
+}
+
 TEST(ConvertSyncBatchNorm, ReplacesSequentialEntriesWithTheirState) {
   run_ranks(1, [](Communicator& comm) {
     torch::manual_seed(3);

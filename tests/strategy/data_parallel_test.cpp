@@ -125,6 +125,21 @@ std::vector<Case> cases() {
              c.rtol = 1e-4;
              c.atol = 1e-5;
            }),
+      // A parameter used only in the no_sync micro-batch is used: its accumulated gradient
+      // is reduced at the synced step, not dropped (c10d's rule for find_unused_parameters).
+      make("mlp_extra_only_in_no_sync_find_unused_set_to_none",
+           [](Case& c) {
+             c.accumulate = true;
+             c.extra_in_first_micro_batch_only = true;
+             c.find_unused = true;
+             c.set_to_none = true;
+           }),
+      make("mlp_extra_only_in_no_sync_find_unused",
+           [](Case& c) {
+             c.accumulate = true;
+             c.extra_in_first_micro_batch_only = true;
+             c.find_unused = true;
+           }),
       make("mlp_parameter_server",
            [](Case& c) { c.hook = [] { return parameter_server_hook(0); }; }),
       // Compression rounds gradients to 11 (fp16) or 8 (bf16) significant bits.

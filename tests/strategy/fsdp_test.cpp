@@ -3,10 +3,14 @@
 // reaches on the whole batch, for every sharding strategy and prefetch policy.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <mutex>
 #include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "compat/warnings.h"
 #include "dtrain/errors.h"
@@ -170,6 +174,88 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) {
       return std::get<1>(info.param).name + "_world" + std::to_string(std::get<0>(info.param));
     });
+
+// DataParallel's find_unused_parameters bug, checked for FSDP: a parameter used only in the
+// no_sync micro-batch keeps its accumulated gradient through the synced step (the MLP as one
+// root unit; its extra branch is used in the first micro-batch only).
+TEST(FsdpAccumulation, ParameterUsedOnlyInTheNoSyncMicroBatchKeepsItsGradient) {
+  at::set_num_threads(1);
+  for (const bool set_to_none : {true, false}) {
+    for (const int world : {1, 2, 3}) {
+      Case c;
+      c.model = Model::kMlp;
+      c.accumulate = true;
+      c.extra_in_first_micro_batch_only = true;
+      c.set_to_none = set_to_none;
+      const auto data = make_data(c.model, world);
+      auto ref = single_device_reference(c, data, world);
+      auto modules = rank_models(c.model, world);
+      run_ranks(world, [&](Communicator& comm) {
+        const int r = comm.rank();
+        FullyShardedDataParallel fsdp(modules[r],
+                                      std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+        train(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, &fsdp);
+        auto state = fsdp.full_state_dict();
+        if (r == 0) expect_state_matches(state, *ref, 1e-5, 1e-6);
+      });
+    }
+  }
+}
+
+// The mistake every LibTorch user makes first: the optimizer over model->parameters(). Under
+// FSDP those are freed between steps and get no gradient, so it would train nothing; the
+// first training forward refuses it on every rank, naming the fix, and a loop with no
+// optimizer at all (the other FSDP tests) goes on. `wrong`: the ranks that make the mistake.
+void optimizer_over_module_parameters(int world, const std::vector<int>& wrong) {
+  at::set_num_threads(1);
+  const auto data = make_data(Model::kTransformer, world);
+  auto modules = rank_models(Model::kTransformer, world);
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  run_ranks(world, [&](Communicator& comm) {
+    const int r = comm.rank();
+    FullyShardedDataParallel fsdp(modules[r],
+                                  std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+    const bool mistake = std::find(wrong.begin(), wrong.end(), r) != wrong.end();
+    // The right optimizer is built over parameters() (which counts) only on the other ranks.
+    std::vector<at::Tensor> params = mistake ? modules[r]->parameters() : fsdp.parameters();
+    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < 2; ++s) {
+      if (!errors[static_cast<size_t>(r)].empty()) break;
+      try {
+        at::Tensor x = data[s].x.narrow(0, r * kLocalBatch, kLocalBatch);
+        at::Tensor y = data[s].y.narrow(0, r * kLocalBatch, kLocalBatch);
+        at::Tensor loss =
+            fsdp.forward([&] { return loss_of(Model::kTransformer, *modules[r], x, y, false); });
+        fsdp.backward(loss);
+        fsdp.clip_grad_norm(1.0);  // FSDP's own use of the shards does not count
+        opt.step();
+      } catch (const Error& e) {
+        DTRAIN_CHECK(s == 0, "rank {} threw at step {}, not the first: {}", r, s, e.what());
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    }
+  });
+  for (int r = 0; r < world; ++r) {
+    const std::string& e = errors[static_cast<size_t>(r)];
+    const bool mistake = std::find(wrong.begin(), wrong.end(), r) != wrong.end();
+    DTRAIN_CHECK(!e.empty(), "rank {} trained on although rank(s) {} step nothing", r,
+                 fmt::format("{}", fmt::join(wrong, ", ")));
+    if (mistake) {
+      DTRAIN_CHECK(e.find("model->parameters()") != std::string::npos &&
+                       e.find("strategy->parameters()") != std::string::npos,
+                   "rank {}: the message does not name the mistake and the fix: {}", r, e);
+    } else {
+      DTRAIN_CHECK(e.find(fmt::format("failed on rank {}", wrong.front())) != std::string::npos,
+                   "rank {}: the message does not name the failing rank: {}", r, e);
+    }
+  }
+}
+
+TEST(FsdpOptimizer, OverModuleParametersIsRefusedOnEveryRankAtTheFirstStep) {
+  optimizer_over_module_parameters(1, {0});
+  optimizer_over_module_parameters(2, {0, 1});
+  optimizer_over_module_parameters(3, {1});
+}
 
 // One training step on `world` threads with `options`; returns rank 0's collective log.
 std::vector<std::string> step_log(int world, FsdpOptions options) {

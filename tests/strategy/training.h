@@ -35,6 +35,9 @@ struct Case {
   std::function<std::shared_ptr<CommHook>()> hook;  // null: default
   bool accumulate = false;  // two micro-batches per step, the first under no_sync()
   bool skip_extra = false;  // the MLP's extra branch is used on even steps only
+  // With accumulate: the MLP's extra branch is used in each step's first micro-batch (the
+  // no_sync one) only. The reference accumulates the same micro-batches of every rank.
+  bool extra_in_first_micro_batch_only = false;
   bool find_unused = false;
   bool set_to_none = false;  // reset .grad to undefined (2.x zero_grad) instead of zeroing (1.13)
   double clip = 0;           // clip_grad_norm(clip) before each step when > 0
@@ -121,6 +124,7 @@ inline void train(const Case& c, Strategy& strategy, torch::nn::Module& module,
     } else {
       zero_grad_in_place(*opt);
     }
+    const bool extra_later = use_extra && !c.extra_in_first_micro_batch_only;
     if (c.accumulate && accumulating != nullptr) {
       const int64_t half = rows / 2;
       {
@@ -132,9 +136,26 @@ inline void train(const Case& c, Strategy& strategy, torch::nn::Module& module,
       }
       at::Tensor l = strategy.forward([&] {
         return loss_of(c.model, module, x.narrow(0, half, rows - half),
-                       y.narrow(0, half, rows - half), use_extra);
+                       y.narrow(0, half, rows - half), extra_later);
       });
       strategy.backward(l * (double(rows - half) / rows));
+    } else if (c.accumulate && c.extra_in_first_micro_batch_only) {
+      // The reference: every rank's two micro-batches in one loss, weighted as the ranks do.
+      at::Tensor l = strategy.forward([&] {
+        const int64_t half = kLocalBatch / 2;
+        at::Tensor sum;
+        for (int64_t r0 = 0; r0 < rows; r0 += kLocalBatch) {
+          at::Tensor a =
+              loss_of(c.model, module, x.narrow(0, r0, half), y.narrow(0, r0, half), use_extra) *
+              (double(half) / rows);
+          at::Tensor b = loss_of(c.model, module, x.narrow(0, r0 + half, kLocalBatch - half),
+                                 y.narrow(0, r0 + half, kLocalBatch - half), extra_later) *
+                         (double(kLocalBatch - half) / rows);
+          sum = sum.defined() ? sum + a + b : a + b;
+        }
+        return sum;
+      });
+      strategy.backward(l);
     } else {
       at::Tensor l = strategy.forward([&] { return loss_of(c.model, module, x, y, use_extra); });
       strategy.backward(l);

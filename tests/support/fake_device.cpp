@@ -24,6 +24,8 @@
 #include <cstring>
 #include <string>
 
+#include "compat/private_use1.h"
+
 namespace dtrain::testing {
 namespace {
 
@@ -425,6 +427,11 @@ using namespace dtrain::testing;
 
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &current_device_allocator);
 C10_REGISTER_GUARD_IMPL(PrivateUse1, FakeGuardImpl);
+// LibTorch 2.13+: PrivateUse1 must be a registered accelerator (src/compat/private_use1.h).
+const bool kFakeAccelerator = [] {
+  dtrain::compat::register_privateuse1_accelerator("dtrain_fake");
+  return true;
+}();
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", TORCH_FN(empty_memory_format));

@@ -24,6 +24,7 @@
 #include "comm/gloo/wire_bytes.h"
 #include "comm/net/address.h"
 #include "comm/reduce/reduce_ops.h"
+#include "compat/gloo.h"
 
 namespace dtrain::gloo_backend {
 namespace {
@@ -176,9 +177,11 @@ GlooTransport::GlooTransport(std::shared_ptr<Store> store, int rank, int world_s
     auto device = gloo::transport::tcp::CreateDevice(attr);
     auto gloo_context = std::make_shared<gloo::rendezvous::Context>(rank, world_size);
     gloo_context->setTimeout(options.timeout);
-    StoreAdapter adapter(make_prefix_store("dtrain/gloo/" + options.name, store_), options.timeout);
+    auto adapter = std::make_shared<StoreAdapter>(
+        make_prefix_store("dtrain/gloo/" + options.name, store_), options.timeout);
     // Each pair's connect is bounded by the context's timeout (options.timeout).
-    bounded_wait(options.timeout, [&] { gloo_context->connectFullMesh(adapter, device); });
+    bounded_wait(options.timeout,
+                 [&] { compat::connect_full_mesh(*gloo_context, adapter, device); });
     context_ = std::move(gloo_context);
   } catch (const TimeoutError& e) {
     throw TimeoutError(ctx, fmt::format("not every rank joined within {} ms ({})",
