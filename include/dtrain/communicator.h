@@ -10,7 +10,8 @@
 //    Consistency::kFingerprint also the shape). Ranks that disagree all throw
 //    dtrain::DesyncError from Work::wait(), naming both sides, before any data moved: never
 //    an abort, a hang or wrong numbers. NCCL compares the same header (all-gathered on a
-//    second NCCL communicator, docs/nccl.md) from world size 2 on.
+//    second NCCL communicator, docs/nccl.md) from world size 2 on when asked to
+//    (CommunicatorOptions::nccl_call_check): there the exchange blocks the issuing thread.
 //  * Thread safety: a communicator may be called from several threads. Taking the sequence
 //    number and queueing the call are one atomic step, so on every rank the numbering is
 //    the execution order. Which of two racing threads goes first is up to the scheduler,
@@ -62,7 +63,8 @@ enum class Transport {
 // header message to every peer per collective; kFingerprint compares more of it.
 enum class Consistency {
   // Operation, dtype, element count, reduction and root: everything whose mismatch would
-  // abort, hang or silently corrupt the result. Always on.
+  // abort, hang or silently corrupt the result. Always on for Gloo and shared memory; on
+  // NCCL with CommunicatorOptions::nccl_call_check.
   kCheap,
   // Also the full shape ([2, 512] and [1024] differ), to find where ranks' programs diverge.
   // DTRAIN_COLLECTIVE_CHECK=fingerprint turns it on through LaunchInfo.
@@ -125,6 +127,14 @@ struct CommunicatorOptions {
   // How much of each collective ranks compare before moving data. Ranks may differ: the
   // strictest level any of them asks for applies to all.
   Consistency consistency = Consistency::kCheap;
+  // NCCL: compare every collective's header (at `consistency`) before it runs, over a second
+  // NCCL communicator. The issuing thread then waits for the header round trip of every call
+  // (not for earlier kernels), which keeps it from running far ahead of the GPU; so it is a
+  // debug setting, off by default as c10d's TORCH_DISTRIBUTED_DEBUG=DETAIL (a mismatch is
+  // then caught by the timeout, not named). Consistency::kFingerprint turns it on too, and
+  // DTRAIN_COLLECTIVE_CHECK (cheap or fingerprint) through LaunchInfo. Rank 0's choice
+  // applies to every rank.
+  bool nccl_call_check = false;
 };
 
 class Communicator {

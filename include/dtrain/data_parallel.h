@@ -38,6 +38,8 @@ struct DataParallelOptions {
   bool broadcast_buffers = true;
   // How buckets are reduced; null means allreduce_hook().
   std::shared_ptr<CommHook> comm_hook;
+  // When ranks agree on a step's outcome (see StepChecks).
+  StepChecks step_checks = StepChecks::kAuto;
 };
 
 class DataParallel final : public Strategy {
@@ -50,6 +52,7 @@ class DataParallel final : public Strategy {
   std::vector<at::Tensor> parameters() override;
   std::vector<NamedParameter> named_parameters() override;
   double grad_norm() override;
+  at::Tensor grad_norm_tensor() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   const StepStats& last_step_stats() const override;
   StateLayout state_layout() override;

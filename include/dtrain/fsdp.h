@@ -257,6 +257,8 @@ struct FsdpOptions {
   Quantization quantize_grads = Quantization::kNone;
   // Values per scale (quantize_params / quantize_grads int8 or int4); >= 1.
   int64_t quantization_block = kDefaultQuantizationBlock;
+  // When ranks agree on a step's outcome (see StepChecks in dtrain/strategy.h).
+  StepChecks step_checks = StepChecks::kAuto;
 };
 
 class FullyShardedDataParallel final : public Strategy {
@@ -277,6 +279,7 @@ class FullyShardedDataParallel final : public Strategy {
   // throws InvalidArgument (a flat shard has no single parameter's name or shape).
   std::vector<NamedParameter> named_parameters() override;
   double grad_norm() override;
+  at::Tensor grad_norm_tensor() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   const StepStats& last_step_stats() const override;
   // Checkpoints: each parameter's slice is its part of this rank's fp32 shard (stepped as

@@ -18,9 +18,15 @@
 //
 // The one-pass update applies to CPU parameters of float or double whose gradient and
 // state are contiguous tensors of the same dtype and size (every dtrain strategy's
-// parameters: module parameters, FSDP flat shards and their use_orig_params views). Any
-// other parameter (CUDA, another dtype, a non-contiguous tensor) is updated with AdamW's
-// own sequence of tensor operations. Sparse gradients throw, as in AdamW.
+// parameters: module parameters, FSDP flat shards and their use_orig_params views).
+// Parameters on an accelerator (CUDA) with the same properties (any floating dtype) are
+// updated together, a fixed number of kernel launches per parameter group, device, dtype
+// and step count instead of about ten per parameter: with LibTorch 2.4 or later by
+// `_fused_adamw_` (PyTorch's AdamW(fused=True) kernel; results equal AdamW's up to float
+// rounding), before that by AdamW's operations as multi-tensor (foreach) kernels. Nothing
+// is read on the host. Any other parameter (another dtype, a non-contiguous tensor) is
+// updated with AdamW's own sequence of tensor operations. Sparse gradients throw, as in
+// AdamW. The state (names, layout, the host step count) is AdamW's on every path.
 #pragma once
 
 #include <torch/optim/adamw.h>

@@ -81,6 +81,9 @@ struct LaunchInfo {
   // DTRAIN_COLLECTIVE_CHECK: communicator_options raises CommunicatorOptions::consistency to
   // this level, never lowers it.
   Consistency consistency = Consistency::kCheap;
+  // DTRAIN_COLLECTIVE_CHECK set (to either level): communicator_options turns on
+  // CommunicatorOptions::nccl_call_check.
+  bool collective_check = false;
   // DTRAIN_TRANSPORT: communicator_options sets CommunicatorOptions::transport to this where
   // the caller left it at kAuto.
   Transport transport = Transport::kAuto;

@@ -24,6 +24,7 @@ class SingleDevice final : public Strategy {
   std::vector<at::Tensor> parameters() override;
   std::vector<NamedParameter> named_parameters() override;
   double grad_norm() override;
+  at::Tensor grad_norm_tensor() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   StateLayout state_layout() override;
   const StepStats& last_step_stats() const override { return stats_; }

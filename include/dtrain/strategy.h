@@ -50,6 +50,23 @@ class Module;
 
 namespace dtrain {
 
+// How the ranks of DataParallel and FullyShardedDataParallel agree on each step
+// (docs/reliability.md, "Step agreements"): a tiny all-gather at the start of every forward()
+// and at the end of every backward() through which a rank's failure or missing batch reaches
+// every rank. On a GPU each one is a host read that waits for the device's queue to drain.
+enum class StepChecks {
+  // Every step where an agreement costs no wait for a device: the communicator's device is
+  // the CPU (Gloo, shared memory) or there is one rank. On a device (NCCL, staged Gloo) only
+  // finish() agrees; a rank whose step fails throws its own error, issues nothing more
+  // (CommError on every later call), and its peers fail at their next collective within the
+  // communicator's timeout, never a hang.
+  kAuto,
+  // Every step on every device, as on the CPU: a failure on any rank makes every rank throw
+  // from the same step and the strategy stays usable; a rank without a batch is named. A
+  // debug mode on a GPU (as c10d's TORCH_DISTRIBUTED_DEBUG=DETAIL): two host syncs per step.
+  kEveryStep,
+};
+
 // What the last step cost in communication. Fields that do not apply are 0.
 struct StepStats {
   // Payload bytes of the step's gradient collectives as the strategy hands them over, in the
@@ -158,8 +175,16 @@ class Strategy {
   // rank's part of the parameter, so decide by name and `shape`, not by the tensor's shape.
   virtual std::vector<NamedParameter> named_parameters() = 0;
 
-  // L2 norm of the full (global-batch, unsharded) gradient. Call after backward().
+  // L2 norm of the full (global-batch, unsharded) gradient. Call after backward(). Reads
+  // the norm on the host: on a GPU the host waits for the step's kernels (grad_norm_tensor()
+  // does not).
   virtual double grad_norm() = 0;
+
+  // grad_norm() as a 0-dim double tensor on the gradients' device, computed without a host
+  // read (one norm per gradient, as PyTorch's foreach norms; FSDP all-reduces the shards' sum
+  // on its communicator's device), so the host keeps queueing work. The default wraps
+  // grad_norm() for strategies that do not override it.
+  virtual at::Tensor grad_norm_tensor();
 
   // Gradient accumulation over micro-batches. While gradient sync is off, backward() adds
   // this rank's gradient to what earlier backward() calls left and issues no gradient
@@ -199,8 +224,15 @@ class Strategy {
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   // Scales gradients so that their global norm is at most max_norm; returns the norm before
-  // clipping (as torch::nn::utils::clip_grad_norm_ does).
+  // clipping (as torch::nn::utils::clip_grad_norm_ does). Reading the returned norm is the
+  // step's one host read; clip_grad_norm_tensor() leaves it on the device.
   virtual double clip_grad_norm(double max_norm);
+
+  // clip_grad_norm() without a host read, as PyTorch 2's clip_grad_norm_: the coefficient
+  // min(1, max_norm / (norm + 1e-6)) stays on the device and multiplies every gradient (by
+  // exactly 1 when no clipping is needed). clip_grad_norm() is this plus reading the norm.
+  // Returns grad_norm_tensor(), the norm before clipping.
+  at::Tensor clip_grad_norm_tensor(double max_norm);
 
   // Bytes this rank holds for parameters and gradients (including communication buffers
   // that alias them) plus the given optimizer state tensors, each storage counted once.
@@ -246,5 +278,10 @@ int64_t tensor_bytes(const std::vector<at::Tensor>& tensors);
 // Sum of squares of t's elements, accumulated in double over per-tensor fp32 norms (as
 // torch::nn::utils::clip_grad_norm_ does): no double copy of the gradients is made.
 double squared_norm(const at::Tensor& t);
+
+// The sum of squared_norm() over the defined, non-empty tensors, as a 0-dim double tensor on
+// their device (`device` when there are none), without a host read: one foreach norm per
+// dtype, each tensor's norm in its dtype as squared_norm() takes it.
+at::Tensor squared_norm_sum(const std::vector<at::Tensor>& tensors, c10::Device device);
 
 }  // namespace dtrain

@@ -281,6 +281,7 @@ LaunchInfo LaunchInfo::from_env(const std::map<std::string, std::string>& env) {
   info.master_port = get_int(env, "MASTER_PORT", info.master_port);
   if (!read_torchrun(env, info) && !read_open_mpi(env, info)) read_slurm(env, info);
   if (const std::string* check = lookup(env, "DTRAIN_COLLECTIVE_CHECK")) {
+    info.collective_check = true;
     if (*check == "fingerprint") {
       info.consistency = Consistency::kFingerprint;
     } else if (*check != "cheap") {

@@ -155,6 +155,7 @@ CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options
   if (options.device_index < 0 && options.backend == Backend::kNccl)
     options.device_index = cuda_device(cuda_device_count(), options.backend);
   if (consistency > options.consistency) options.consistency = consistency;
+  if (collective_check) options.nccl_call_check = true;
   if (options.transport == Transport::kAuto) options.transport = transport;
   return options;
 }

@@ -49,7 +49,7 @@ class DataParallel::Reducer {
   void forward_failed(std::exception_ptr error);
   void backward(const at::Tensor& loss, bool gradient_sync);
   void finish();
-  double grad_norm();
+  at::Tensor grad_norm();
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
   // StateLayout::rank_state: the bucket layout and step count (a resumed run must reduce
   // in the same buckets: hooks keep per-bucket state, and bucket boundaries decide the
@@ -123,7 +123,7 @@ DataParallel::Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, Commun
     : module_(std::move(module)),
       comm_(std::move(comm)),
       options_(std::move(options)),
-      steps_(comm_, "DataParallel"),
+      steps_(comm_, "DataParallel", options_.step_checks),
       wire_({comm_}) {
   if (!comm_) throw InvalidArgument("DataParallel: communicator is null");
   if (!module_) throw InvalidArgument(ctx("DataParallel()"), "module is null");
@@ -538,13 +538,10 @@ void DataParallel::Reducer::finish() {
   steps_.finish();
 }
 
-double DataParallel::Reducer::grad_norm() {
-  double sq = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& g = params_[i].grad();
-    sq += squared_norm(g);
-  }
-  return std::sqrt(sq);
+at::Tensor DataParallel::Reducer::grad_norm() {
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : params_) grads.push_back(p.grad());
+  return squared_norm_sum(grads, comm_->device()).sqrt_();
 }
 
 int64_t DataParallel::Reducer::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {
@@ -584,7 +581,8 @@ StateLayout DataParallel::state_layout() {
   if (!reducer_->options_.broadcast_buffers) keep_rank_buffers(layout);
   return layout;
 }
-double DataParallel::grad_norm() { return reducer_->grad_norm(); }
+double DataParallel::grad_norm() { return grad_norm_tensor().item<double>(); }
+at::Tensor DataParallel::grad_norm_tensor() { return reducer_->grad_norm(); }
 int64_t DataParallel::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {
   return reducer_->model_state_bytes(optimizer_state);
 }

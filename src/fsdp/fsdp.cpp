@@ -119,7 +119,7 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
     : comm_(std::move(comm)),
       module_(std::move(module)),
       options_(std::move(options)),
-      steps_(comm_, "FullyShardedDataParallel") {
+      steps_(comm_, "FullyShardedDataParallel", options_.step_checks) {
   if (!comm_) throw InvalidArgument("FullyShardedDataParallel: communicator is null");
   if (!module_) throw InvalidArgument(ctx("FullyShardedDataParallel()"), "module is null");
   if (options_.limit_all_gathers < 1) {
@@ -570,7 +570,8 @@ std::vector<at::Tensor> FullyShardedDataParallel::stepped_tensors() { return imp
 std::vector<NamedParameter> FullyShardedDataParallel::named_parameters() {
   return impl_->named_parameters();
 }
-double FullyShardedDataParallel::grad_norm() { return impl_->grad_norm(); }
+double FullyShardedDataParallel::grad_norm() { return grad_norm_tensor().item<double>(); }
+at::Tensor FullyShardedDataParallel::grad_norm_tensor() { return impl_->grad_norm(); }
 int64_t FullyShardedDataParallel::model_state_bytes(
     const std::vector<at::Tensor>& optimizer_state) {
   return impl_->model_state_bytes(optimizer_state);

@@ -35,7 +35,7 @@ class FullyShardedDataParallel::Impl {
   void forward_failed(std::exception_ptr error);
   void finish();
   void backward(const at::Tensor& loss, bool gradient_sync);
-  double grad_norm();
+  at::Tensor grad_norm();
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
   std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();

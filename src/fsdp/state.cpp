@@ -17,22 +17,24 @@
 
 namespace dtrain {
 
-double FullyShardedDataParallel::Impl::grad_norm() {
+at::Tensor FullyShardedDataParallel::Impl::grad_norm() {
   steps_.check_usable("grad_norm");
-  double sq = 0;
+  std::vector<at::Tensor> grads;
   for (size_t k = 0; k < schedule_->num_units(); ++k) {
-    sq += squared_norm(schedule_->unit(k).flat().shard().grad());
+    grads.push_back(schedule_->unit(k).flat().shard().grad());
   }
+  at::Tensor sq = squared_norm_sum(grads, comm_->device());
   if (const auto& shard = schedule_->comms().shard) {
     // Shards are disjoint and padding holds zeros: the global sum is the sum of the parts.
+    // On the communicator's device and without a host read (Work::wait orders streams).
     const WireStats before = wire_.read();
-    sq = ControlPlane(*shard).all_reduce_value(sq, ReduceOp::kSum);
+    sq = ControlPlane(*shard).all_reduce(sq.reshape({1}), ReduceOp::kSum).reshape({});
     // Part of the step that backward() ended (StepStats::wire).
     const WireStats sent = wire_.read().since(before);
     std::lock_guard<std::mutex> lock(schedule_->mutex());
     schedule_->stats().wire += sent;
   }
-  return std::sqrt(sq);
+  return sq.sqrt_();
 }
 
 int64_t FullyShardedDataParallel::Impl::model_state_bytes(

@@ -6,13 +6,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "compat/foreach.h"
 #include "compat/torch_compat.h"
 
 namespace dtrain {
@@ -85,6 +89,23 @@ bool one_pass(const at::Tensor& p, const at::Tensor& g, const AdamWParamState& s
          (!amsgrad || fits(s.max_exp_avg_sq()));
 }
 
+// A parameter on an accelerator whose update can join a multi-tensor one: a dense
+// floating-point tensor whose gradient and state have its dtype, device and size and are
+// contiguous (what the fused and foreach kernels take).
+bool batchable(const at::Tensor& p, const at::Tensor& g, const AdamWParamState& s, bool amsgrad) {
+  auto fits = [&](const at::Tensor& t) {
+    return t.defined() && t.device() == p.device() && t.layout() == at::kStrided &&
+           t.scalar_type() == p.scalar_type() && t.numel() == p.numel() && t.is_contiguous();
+  };
+  return !p.device().is_cpu() && at::isFloatingType(p.scalar_type()) && fits(p) && fits(g) &&
+         fits(s.exp_avg()) && fits(s.exp_avg_sq()) && (!amsgrad || fits(s.max_exp_avg_sq()));
+}
+
+// The parameters of one multi-tensor update: one group's options, device, dtype, step.
+struct Batch {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
+};
+
 // AdamW::step's operations for one parameter (LibTorch 1.13 and 2.x alike).
 void reference_update(at::Tensor& p, const at::Tensor& g, AdamWParamState& s,
                       const AdamWOptions& o) {
@@ -114,6 +135,8 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
   }
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const AdamWOptions&>(group.options());
+    // Accelerator parameters: (device type, index, dtype, step) -> one multi-tensor update.
+    std::map<std::tuple<int, int, int, int64_t>, Batch> batches;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const at::Tensor& g = p.grad();
@@ -133,6 +156,16 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       }
       auto& s = static_cast<AdamWParamState&>(*it->second);
       s.step(s.step() + 1);
+      if (batchable(p, g, s, options.amsgrad())) {
+        Batch& b = batches[{static_cast<int>(p.device().type()), p.device().index(),
+                            static_cast<int>(p.scalar_type()), s.step()}];
+        b.params.push_back(p);
+        b.grads.push_back(g);
+        b.exp_avgs.push_back(s.exp_avg());
+        b.exp_avg_sqs.push_back(s.exp_avg_sq());
+        if (options.amsgrad()) b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+        continue;
+      }
       if (!one_pass(p, g, s, options.amsgrad())) {
         reference_update(p, g, s, options);
         continue;
@@ -144,6 +177,12 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
                          options.amsgrad() ? s.max_exp_avg_sq().data_ptr<scalar_t>() : nullptr,
                          p.numel(), coefficients<scalar_t>(options, s.step()), decay);
       });
+    }
+    const auto [beta1, beta2] = options.betas();
+    for (auto& [key, b] : batches) {
+      compat::adamw_step_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs,
+                          {options.lr(), beta1, beta2, options.weight_decay(), options.eps(),
+                           options.amsgrad(), std::get<3>(key)});
     }
   }
   return loss;

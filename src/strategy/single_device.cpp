@@ -23,12 +23,16 @@ std::vector<NamedParameter> SingleDevice::named_parameters() {
   return module_named_parameters(*module_);
 }
 
-double SingleDevice::grad_norm() {
-  double sq = 0;
+double SingleDevice::grad_norm() { return grad_norm_tensor().item<double>(); }
+
+at::Tensor SingleDevice::grad_norm_tensor() {
+  std::vector<at::Tensor> grads;
+  c10::Device device = c10::kCPU;
   for (const auto& p : module_->parameters()) {
-    sq += squared_norm(p.grad());
+    grads.push_back(p.grad());
+    device = p.device();
   }
-  return std::sqrt(sq);
+  return squared_norm_sum(grads, device).sqrt_();
 }
 
 int64_t SingleDevice::model_state_bytes(const std::vector<at::Tensor>& optimizer_state) {

@@ -51,9 +51,13 @@ std::string describe(std::exception_ptr e) {
   }
 }
 
-StepSync::StepSync(CommunicatorPtr comm, std::string strategy)
+StepSync::StepSync(CommunicatorPtr comm, std::string strategy, StepChecks checks)
     : comm_(std::move(comm)),
       strategy_(std::move(strategy)),
+      // A null communicator is the strategy's to refuse; an agreement on the CPU or among
+      // one rank costs no wait for a device.
+      every_step_(checks == StepChecks::kEveryStep || !comm_ || comm_->world_size() == 1 ||
+                  comm_->device().is_cpu()),
       // The strategy reports a null communicator itself, after this is built.
       rank_(comm_ ? comm_->rank() : 0),
       world_size_(comm_ ? comm_->world_size() : 1) {}
@@ -71,6 +75,17 @@ StepSync::~StepSync() {
   } catch (...) {
     // a warning handler that throws (warnings as errors) must not end the process here
   }
+}
+
+std::exception_ptr StepSync::alone(const char* op, std::exception_ptr local) {
+  if (!local) return nullptr;
+  // The peers cannot learn of it in this step: this rank stops issuing collectives, so
+  // theirs fail within the communicator's timeout instead of pairing with the wrong calls.
+  break_with(op,
+             "it failed in a step without per-step agreements (StepChecks::kAuto on a "
+             "device; kEveryStep keeps the strategy usable after a failure)",
+             local);
+  return local;
 }
 
 ErrorContext StepSync::ctx(const char* op) const {
@@ -112,6 +127,12 @@ void StepSync::start_step(const char* op, std::exception_ptr local) {
   ++step_;
   step_failed_ = false;
   const bool training = c10::GradMode::is_enabled();
+  if (!every_step_) {
+    // No agreement: neither a rank's refusal nor a training/evaluation mix reaches the peers.
+    if (auto failure = alone(op, local)) std::rethrow_exception(failure);
+    if (training) trained_since_finish_ = true;
+    return;
+  }
   const Table table =
       exchange(training ? Point::kStart : Point::kStartEvaluation, op, static_cast<bool>(local));
   std::vector<int> with, without, elsewhere, trains, evaluates;
@@ -166,6 +187,7 @@ void StepSync::finish() {
 }
 
 std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_ptr local) {
+  if (!every_step_) return alone(op, local);
   const Table table = exchange(point, op, static_cast<bool>(local));
   const int world = static_cast<int>(table.rows());
   std::vector<int> elsewhere;

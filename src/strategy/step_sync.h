@@ -7,6 +7,13 @@
 // the end of an evaluation forward (grad mode off), plus finish(). Every rank reads the same
 // table, so every rank reaches the same verdict: all go on, all throw, or all break.
 //
+// Policy (StepChecks, dtrain/strategy.h): where an agreement would make the host wait for the
+// device (the communicator's device is not the CPU, more than one rank) and the strategy did
+// not ask for kEveryStep, the per-step agreements are skipped: start_step() and agree() then
+// exchange nothing, and a local failure breaks this rank (its peers fail at their next
+// collective, within the communicator's timeout) while agree() returns it to be thrown.
+// finish() always agrees.
+//
 // States: kReady (agreements may run) -> kBroken (sticky; every later call throws the first
 // cause). A strategy breaks when its collective stream may no longer match its peers' (a
 // collective failed, or an exception left an unknown number of collectives issued); it then
@@ -21,6 +28,7 @@
 
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
+#include "dtrain/strategy.h"
 
 namespace dtrain {
 
@@ -38,13 +46,16 @@ class StepSync {
 
   // The agreements go through the control plane (comm/control_plane.h): on the
   // communicator's device.
-  StepSync(CommunicatorPtr comm, std::string strategy);
+  StepSync(CommunicatorPtr comm, std::string strategy, StepChecks checks = StepChecks::kAuto);
   // Warns once (TORCH_WARN) when training steps ran since the last finish() at world size > 1:
   // forgetting finish() goes unnoticed with even data, and uneven data then fails far from its
   // cause. Not while an exception unwinds, nor after a step failed or the strategy broke.
   ~StepSync();
   StepSync(const StepSync&) = delete;
   StepSync& operator=(const StepSync&) = delete;
+
+  // Whether start_step() and agree() exchange anything (see the policy above).
+  bool agrees_every_step() const { return every_step_; }
 
   // Index of the current step (forward() calls, from 0), for messages.
   int64_t step() const { return step_; }
@@ -90,8 +101,12 @@ class StepSync {
   // what this rank throws (one more exchange carries the first failing rank's message).
   std::exception_ptr verdict(const Table& table, const char* op, std::exception_ptr local);
 
+  // Without per-step agreements: breaks on a local failure and returns it.
+  std::exception_ptr alone(const char* op, std::exception_ptr local);
+
   CommunicatorPtr comm_;
   std::string strategy_;
+  bool every_step_;
   int64_t step_ = -1;
   std::exception_ptr broken_;
   int rank_, world_size_;  // for the destructor's warning (a borrowed communicator may be gone)

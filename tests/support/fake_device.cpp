@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -44,6 +45,16 @@ void free_real(void* real) { c10::GetCPUAllocator()->raw_deleter()(real); }
 // The device index a thread is on, as CUDA's current device: what a device guard sets, where
 // tensors made without an index go, and what the autograd engine's device threads set.
 thread_local c10::DeviceIndex current_index = 0;
+
+// Host reads (HostReads): process-wide counts, and this thread's depth of uncounted scopes
+// (UncountedHostReads, the fallback's own copies).
+std::atomic<int64_t> local_scalar_dense_calls{0};
+std::atomic<int64_t> device_to_host_copy_calls{0};
+thread_local int uncounted_depth = 0;
+
+void count_copy(const at::Tensor& dst, const at::Tensor& src) {
+  if (uncounted_depth == 0 && dst.device().is_cpu() && is_fake(src)) ++device_to_host_copy_calls;
+}
 
 c10::DeviceIndex checked_index(c10::Device d) {
   TORCH_CHECK(d.type() == kFake, "not the fake test device: ", d);
@@ -162,11 +173,13 @@ at::Tensor on_host(const at::Tensor& t) {
 
 at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
   if (self.is_same(src)) return self;
+  count_copy(self, src);
   on_host(self).copy_(on_host(src), non_blocking);
   return self;
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  count_copy(dst, self);
   on_host(dst).copy_(on_host(self), non_blocking);
   return dst;
 }
@@ -257,6 +270,7 @@ at::Tensor& zero_(at::Tensor& self) {
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  if (uncounted_depth == 0) ++local_scalar_dense_calls;
   return at::_local_scalar_dense(host_view(self));
 }
 
@@ -317,6 +331,7 @@ void check_same_device(const c10::OperatorHandle& op, const at::Tensor& t, c10::
 // only (cat's inputs are a list; a CPU scalar may come first) and not from a Device argument.
 // Indices (lists of optional tensors) may be on the CPU, as with CUDA.
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  UncountedHostReads own_copies;  // of the CPU kernel's arguments: no such copy on a GPU
   const size_t num_args = op.schema().arguments().size();
   const size_t first = stack->size() - num_args;
   c10::optional<c10::Device> device;
@@ -390,6 +405,13 @@ at::Tensor host_view(const at::Tensor& t) {
                                                    c10::make_optional(t.storage_offset()));
   return out;
 }
+
+HostReads host_reads() {
+  return {local_scalar_dense_calls.load(), device_to_host_copy_calls.load()};
+}
+
+UncountedHostReads::UncountedHostReads() { ++uncounted_depth; }
+UncountedHostReads::~UncountedHostReads() { --uncounted_depth; }
 
 void ensure_fake_device_registered() {
   // Registration is static (below); this checks that it happened in this process.

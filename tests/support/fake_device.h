@@ -79,6 +79,31 @@ at::Tensor host_view(const at::Tensor& t);
 // The host address behind a fake data pointer (nullptr stays nullptr).
 void* host_address(const void* fake_pointer);
 
+// Host reads of fake memory: what would block the host until a GPU's stream has drained.
+// Counted process-wide (every thread, every fake index) since the binary loaded; a test
+// takes the difference of two readings. The fake device's own copies (running an operator's
+// CPU kernel on CPU copies of its arguments) are not counted: on a GPU they do not happen.
+struct HostReads {
+  int64_t local_scalar_dense = 0;     // .item(), Scalar conversions, `if (tensor)`...
+  int64_t device_to_host_copies = 0;  // copies from a fake tensor into a CPU tensor
+  int64_t total() const { return local_scalar_dense + device_to_host_copies; }
+  HostReads operator-(const HostReads& o) const {
+    return {local_scalar_dense - o.local_scalar_dense,
+            device_to_host_copies - o.device_to_host_copies};
+  }
+};
+HostReads host_reads();
+
+// While one is alive, host reads on this thread are not counted: for a test communicator's
+// own staging through host memory, which NCCL does not do.
+class UncountedHostReads {
+ public:
+  UncountedHostReads();
+  ~UncountedHostReads();
+  UncountedHostReads(const UncountedHostReads&) = delete;
+  UncountedHostReads& operator=(const UncountedHostReads&) = delete;
+};
+
 // Registers the backend if it is not yet (it always is once fake_device.cpp is linked in): a
 // no-op kept so a test can state its dependency explicitly.
 void ensure_fake_device_registered();

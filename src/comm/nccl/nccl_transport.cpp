@@ -93,6 +93,28 @@ void check_distinct_gpus(Store& store, int rank, int world_size, int device, int
   throw InvalidArgument(ctx, *shared);
 }
 
+// Whether every call's header is exchanged: rank 0's CommunicatorOptions decide for all (a
+// header exchange on some ranks only would pair with their peers' data collectives).
+bool check_calls(Store& store, int rank, const CommunicatorOptions& options,
+                 Clock::time_point deadline, const ErrorContext& ctx) {
+  if (rank == 0) {
+    const bool on = options.nccl_call_check || options.consistency == Consistency::kFingerprint;
+    store.set("call_check", Bytes{static_cast<uint8_t>(on)});
+    return on;
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  Bytes bytes;
+  try {
+    bytes = store.get("call_check", std::max(left, std::chrono::milliseconds(1)));
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(
+        ctx, fmt::format("rank 0 did not publish its call check in time ({})", e.cause()));
+  } catch (const Error& e) {
+    throw CommError(ctx, fmt::format("reading the call check from the store: {}", e.cause()));
+  }
+  return bytes.size() == 1 && bytes[0] != 0;
+}
+
 // Rank 0 creates NCCL's unique id and publishes it through the store; the others wait for it
 // until `deadline`.
 ncclUniqueId exchange_unique_id(Store& store, int rank, Clock::time_point deadline,
@@ -155,7 +177,7 @@ class NcclTransport final : public detail::CollectiveEngine {
     const ncclUniqueId id = exchange_unique_id(*store_, rank, deadline, ctx, "unique_id");
     comm_ = std::make_unique<NcclComm>(id, rank, world_size, device_, deadline, options.timeout,
                                        std::move(failure));
-    if (world_size > 1) {
+    if (world_size > 1 && check_calls(*store_, rank, options, deadline, ctx)) {
       const ncclUniqueId hid = exchange_unique_id(*store_, rank, deadline, ctx, "header_id");
       headers_ = std::make_shared<HeaderExchange>(hid, rank, world_size, device_, deadline);
     }
