@@ -323,6 +323,36 @@ void check_same_device(const c10::OperatorHandle& op, const at::Tensor& t, c10::
               device, " and ", t.device(), "! (", op.schema().name(), " on the fake test device)");
 }
 
+// An operator that writes a list of tensors and returns nothing: the in-place foreach
+// operators (_foreach_mul_, ...). LibTorch 1.13's cpu_fallback does not copy a written list
+// back (every such call would silently change nothing), so these run here instead.
+bool writes_a_list_only(const c10::FunctionSchema& schema) {
+  if (!schema.returns().empty()) return false;
+  for (const c10::Argument& a : schema.arguments()) {
+    const c10::AliasInfo* alias = a.alias_info();
+    if (alias != nullptr && alias->isWrite() && a.type()->kind() == c10::TypeKind::ListType) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The operator's CPU kernel on host views of the fake arguments: it reads and writes the
+// fake memory in place, as the device's own kernel would.
+void run_on_host_views(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t first) {
+  for (size_t i = first; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor() && is_fake(v.toTensor())) {
+      v = c10::IValue(host_view(v.toTensor()));
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> views;
+      for (const at::Tensor& t : v.toTensorVector()) views.push_back(is_fake(t) ? host_view(t) : t);
+      v = c10::IValue(std::move(views));
+    }
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+}
+
 // Everything not above: LibTorch's CPU kernel on CPU copies of the arguments, results and
 // mutated arguments copied back (through copy_ / _copy_from_and_resize above). Around
 // at::native::cpu_fallback: tensors on other devices are refused as CUDA refuses them (a CPU
@@ -363,6 +393,10 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         for (const at::Tensor& t : v.toTensorVector()) check_same_device(op, t, *device);
       }
     }
+  }
+  if (writes_a_list_only(op.schema())) {
+    run_on_host_views(op, stack, first);
+    return;
   }
   at::native::cpu_fallback(op, stack);
   if (!device.has_value()) return;

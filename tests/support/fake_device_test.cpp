@@ -344,6 +344,31 @@ void train_both(const MakeOptimizer& make, int steps, at::ScalarType dtype = at:
   }
 }
 
+// The in-place foreach operators (a written list, nothing returned) change the fake tensors
+// as they change CPU ones: LibTorch 1.13's CPU fallback alone would leave them unchanged.
+TEST(FakeDevice, InPlaceForeachOperatorsWriteTheDeviceTensors) {
+  const at::Tensor a = at::randn({5}), b = at::randn({3, 2});
+  std::vector<at::Tensor> cpu = {a.clone(), b.clone()};
+  std::vector<at::Tensor> fake = {a.to(fake_device()), b.to(fake_device())};
+  const std::vector<at::Tensor> other_cpu = {a.mul(2), b.mul(3)};
+  const std::vector<at::Tensor> other = {other_cpu[0].to(fake_device()),
+                                         other_cpu[1].to(fake_device())};
+  at::_foreach_mul_(cpu, 1.5);
+  at::_foreach_mul_(fake, 1.5);
+  at::_foreach_add_(cpu, other_cpu, 0.25);
+  at::_foreach_add_(fake, other, 0.25);
+  at::_foreach_addcdiv_(cpu, other_cpu, other_cpu, -0.5);
+  at::_foreach_addcdiv_(fake, other, other, -0.5);
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    ASSERT_TRUE(is_fake(fake[i]));
+    EXPECT_TRUE(at::equal(fake[i].to(at::kCPU), cpu[i])) << "tensor " << i;
+    EXPECT_FALSE(at::equal(cpu[i], i == 0 ? a : b)) << "the operators changed nothing";
+  }
+  // Mixing devices in a list is refused, as on CUDA.
+  std::vector<at::Tensor> mixed = {a.to(fake_device()), b.clone()};
+  EXPECT_ANY_THROW(at::_foreach_mul_(mixed, 2.0));
+}
+
 TEST(FakeDevice, TrainingMatchesTheCpuWithSgd) {
   train_both(
       [](std::vector<at::Tensor> p) {
