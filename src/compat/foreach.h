@@ -62,13 +62,11 @@ inline void adamw_step_(const std::vector<at::Tensor>& params, const std::vector
   if (params.empty()) return;
 #if DTRAIN_HAS_FUSED_ADAMW
   // The kernel reads each parameter's step count from a float tensor on the device: one
-  // fill for all of them.
+  // fill for all of them, split into 0-dim views by one call (not one select per parameter).
   const at::Tensor steps =
       at::full({static_cast<int64_t>(params.size())}, static_cast<double>(s.step),
                params.front().options().dtype(at::kFloat));
-  std::vector<at::Tensor> state_steps;
-  state_steps.reserve(params.size());
-  for (int64_t i = 0; i < steps.numel(); ++i) state_steps.push_back(steps[i]);
+  const std::vector<at::Tensor> state_steps = steps.unbind();
   at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, s.lr,
                     s.beta1, s.beta2, s.weight_decay, s.eps, s.amsgrad, /*maximize=*/false);
 #else

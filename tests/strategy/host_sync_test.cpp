@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/fused_adamw.h"
+#include "dtrain/grad_scaler.h"
 #include "dtrain/single_device.h"
 #include "strategy/fsdp_ranks.h"
 #include "strategy/test_models.h"
@@ -106,6 +108,7 @@ struct Case {
   Kind kind;
   bool bf16;
   StepChecks checks = StepChecks::kAuto;
+  bool grad_scaler = false;  // loss scaling (dtrain::GradScaler over the ranks)
 };
 
 constexpr int kWorld = 2;
@@ -156,6 +159,8 @@ double host_reads_per_step(const Case& c, const Plant& plant = nullptr) {
       }
     }
     FusedAdamW opt(s->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    std::optional<GradScaler> scaler;
+    if (c.grad_scaler) scaler.emplace(comm);
     at::manual_seed(100 + r);
     const at::Tensor x = at::randint(kVocab, {kBatch, kCtx}, at::kLong).to(device);
     const at::Tensor y = at::randint(kVocab, {kBatch, kCtx}, at::kLong).to(device);
@@ -165,10 +170,16 @@ double host_reads_per_step(const Case& c, const Plant& plant = nullptr) {
         return at::cross_entropy_loss(model->forward(x).reshape({-1, kVocab}).to(at::kFloat),
                                       y.reshape({-1}));
       });
-      s->backward(loss);
+      s->backward(scaler ? scaler->scale(loss) : loss);
       if (measured && plant) plant(loss);
+      if (scaler) scaler->unscale(opt);
       s->clip_grad_norm_tensor(0.1);  // small enough to clip
-      opt.step();
+      if (scaler) {
+        scaler->step(opt);
+        scaler->update();
+      } else {
+        opt.step();
+      }
     };
     // The readings are taken by rank 0 while every rank waits at a barrier (the barrier's
     // own reads are the communicator's: uncounted).
@@ -223,6 +234,19 @@ INSTANTIATE_TEST_SUITE_P(Strategies, HostSync,
 TEST(HostSyncDebug, EveryStepAgreementsReadOnTheHost) {
   EXPECT_GT(host_reads_per_step(Case{Kind::kDdp, false, StepChecks::kEveryStep}), 0.0);
   EXPECT_GT(host_reads_per_step(Case{Kind::kFsdp, false, StepChecks::kEveryStep}), 0.0);
+}
+
+// Loss scaling costs one host read per step and rank: whether any rank found inf/NaN, which
+// decides on the host whether the optimizer steps (dtrain::FusedAdamW keeps AdamW's host step
+// count, so a skipped step cannot be decided on the device). As PyTorch's GradScaler with an
+// optimizer other than its fused ones.
+TEST(HostSyncGradScaler, OneReadPerStepForTheSkipDecision) {
+  for (const Kind kind : {Kind::kSingle, Kind::kDdp, Kind::kFsdp}) {
+    const double world = kind == Kind::kSingle ? 1 : kWorld;
+    Case c{kind, false};
+    c.grad_scaler = true;
+    EXPECT_EQ(host_reads_per_step(c), world) << name(c) << " with GradScaler";
+  }
 }
 
 // clip_grad_norm_tensor() clips as the host clip did (the norm from per-tensor norms summed
