@@ -8,6 +8,9 @@
       AdamW (betas 0.9/0.95, weight decay 0.1), clipping at 1.0, synthetic tokens, on cuda:0.
       One JSON line per step: tokens_per_s, step_time_s, loss, cuda_peak_mib
       (torch.cuda.max_memory_allocated, the figure gpt2_train's cuda_peak_mib mirrors).
+      With --trace_out F: a Kineto trace (torch.profiler, CPU and CUDA activities) of the
+      --trace_steps steps after the first --trace_start (5 and 3: gpt2_train --trace_out's
+      window with --profile_steps 3), written with export_chrome_trace.
   gpu_gpt2.py report --dtrain F --torch F --params N --layers L --dim D --ctx T [--peak_tflops P]
       Tokens/s (median of the steps after --warmup), MFU and cuda_peak_mib of both, as JSON
       and a Markdown table.
@@ -99,8 +102,13 @@ def cmd_torch(a):
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)
     gen = torch.Generator(device=dev).manual_seed(1234)
+    prof = None
     with open(a.metrics_out, "w") as out:
         for step in range(a.steps):
+            if a.trace_out and step == a.trace_start:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
             x = torch.randint(0, a.vocab, (a.batch, a.ctx), generator=gen, device=dev)
             y = torch.randint(0, a.vocab, (a.batch, a.ctx), generator=gen, device=dev)
             torch.cuda.synchronize()
@@ -119,6 +127,13 @@ def cmd_torch(a):
                                   "cuda_peak_mib": torch.cuda.max_memory_allocated(dev) / 2**20,
                                   "params": params}) + "\n")
             out.flush()
+            if prof is not None and step + 1 == a.trace_start + a.trace_steps:
+                prof.__exit__(None, None, None)
+                prof.export_chrome_trace(a.trace_out)
+                prof = None
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        prof.export_chrome_trace(a.trace_out)
     print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
                       "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                       "gpu": torch.cuda.get_device_name(dev), "params": params,
@@ -137,6 +152,9 @@ def main():
     t.add_argument("--dim", type=int, default=768)
     t.add_argument("--ctx", type=int, default=1024)
     t.add_argument("--vocab", type=int, default=50257)
+    t.add_argument("--trace_out", default="")
+    t.add_argument("--trace_start", type=int, default=5)
+    t.add_argument("--trace_steps", type=int, default=3)
     r = sub.add_parser("report")
     r.add_argument("--dtrain", required=True)
     r.add_argument("--torch", required=True)

@@ -28,6 +28,10 @@
 #   gpt2       GPT-2 124M (--model gpt2), bf16, batch 16 x 1024, 30 steps: gpt2_train and
 #              PyTorch eager (benchmarks/gpu_gpt2.py, SDPA), tokens/s (median after 10 steps),
 #              MFU and cuda_peak_mib side by side
+#   profile    the same GPT-2 124M step on both sides, 8 steps each, Kineto traces of steps 6-8
+#              (gpt2_train --trace_out, gpu_gpt2.py torch --trace_out) in OUTDIR/traces, and
+#              OUTDIR/profile.md (benchmarks/trace_table.py): kernels, GPU busy and idle time,
+#              host syncs and ATen operators per step, the top 20 kernels by time
 # A step that fails is recorded and the next ones still run where they can; when the time
 # budget (DTRAIN_GPU_BUDGET_S, default 530 s) runs out, the remaining steps are recorded as
 # skipped. Exit status: 0 when every step passed, 1 otherwise.
@@ -275,6 +279,22 @@ do_gpt2() {
     --torch "$out/runs/gpt2-pytorch.jsonl" --params "$params" --warmup 10 --peak_tflops 989
 }
 
+# Kineto traces of the same 3 steady-state steps (6 to 8) of both sides, and their table.
+do_profile() {
+  local batch=16 steps=8 traced=3
+  [[ -n "${DRY:-}" ]] || mkdir -p "$out/traces"
+  run_dtrain "$(gpt2_train_bin)" --model gpt2 --device cuda --precision bf16 --data random \
+    --max_tokens $(((steps + 2) * batch * 1024 * 21 / 20)) --steps "$steps" --batch "$batch" \
+    --sample_tokens 0 --log_every 1 --profile_steps "$traced" \
+    --trace_out "$out/traces/dtrain.json" --metrics_out "$out/runs/profile-dtrain.jsonl" || return 1
+  x "$python" "$root/benchmarks/gpu_gpt2.py" torch --batch "$batch" --steps "$steps" \
+    --trace_out "$out/traces/pytorch.json" --trace_start 5 --trace_steps "$traced" \
+    --metrics_out "$out/runs/profile-pytorch.jsonl" || return 1
+  x "$python" "$root/benchmarks/trace_table.py" --dtrain "$out/traces/dtrain.json" \
+    --torch "$out/traces/pytorch.json" --steps "$traced" --top 20 \
+    --json_out "$out/traces/summary.json" --md_out "$out/profile.md"
+}
+
 write_results() {
   {
     echo "# GPU acceptance run ($(date -u '+%Y-%m-%d %H:%M UTC'))"
@@ -306,6 +326,10 @@ write_results() {
     echo '```'
     grep -E '^\{"flops_per_token"|^\||goal' "$out/logs/gpt2.log" 2>/dev/null
     echo '```'
+    echo
+    echo '## Profile: GPT-2 124M bf16, 3 steps per side (traces in traces/)'
+    echo
+    cat "$out/profile.md" 2>/dev/null || echo 'no profile (see logs/profile.log)'
   } > "$out/results.md"
 }
 
@@ -318,9 +342,10 @@ if step configure 90 do_configure && step build 330 do_build; then
   step tests 60 do_tests
   step strategies 150 do_strategies
   step gpt2 120 do_gpt2
+  step profile 90 do_profile
   step offload 120 do_offload
 else
-  for s in tests strategies gpt2 offload; do
+  for s in tests strategies gpt2 profile offload; do
     printf '%s\tskipped\t0\tthe build failed\n' "$s" >> "$out/summary.tsv"
   done
 fi

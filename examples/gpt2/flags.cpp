@@ -235,8 +235,14 @@ ABSL_FLAG(std::string, profile_out, "",
           "time as JSON here (rank 0 only; other ranks are not profiled). The step is the one "
           "step_time_s measures. Empty: off, and nothing is observed. Format and method: "
           "examples/gpt2/op_profile.h; comparison with PyTorch: benchmarks/peer-profile.sh.");
+ABSL_FLAG(std::string, trace_out, "",
+          "Write a Kineto trace (Chrome trace JSON, as torch.profiler's export_chrome_trace) "
+          "of the --profile_steps steps that follow the first 5 here (rank 0 only): ATen "
+          "operators on the host and, with --device cuda, the GPU's kernels, copies and CUDA "
+          "runtime calls. Needs a LibTorch built with Kineto; the run fails at its start "
+          "otherwise. Not with --profile_out. Summaries: benchmarks/trace_table.py.");
 ABSL_FLAG(int64_t, profile_steps, 5,
-          "With --profile_out: steps to profile, after the first 5 of the run.");
+          "With --profile_out or --trace_out: steps to profile, after the first 5 of the run.");
 ABSL_FLAG(int64_t, log_every, 10,
           "Steps between log lines when stdout is not a terminal (a terminal gets a bar).");
 ABSL_FLAG(int64_t, sample_tokens, 48, "Tokens to generate from rank 0 at the end (0: none).");
@@ -479,6 +485,7 @@ Config config_from_flags() {
   c.top_k = absl::GetFlag(FLAGS_top_k);
   c.profile_out = absl::GetFlag(FLAGS_profile_out);
   c.profile_steps = absl::GetFlag(FLAGS_profile_steps);
+  c.trace_out = absl::GetFlag(FLAGS_trace_out);
   c.val_fraction = absl::GetFlag(FLAGS_val_fraction);
   c.lr = absl::GetFlag(FLAGS_lr);
   c.min_lr_ratio = absl::GetFlag(FLAGS_min_lr_ratio);
@@ -505,8 +512,11 @@ Config config_from_flags() {
   check(c.steps >= 0 && c.steps_per_epoch >= 0 && c.max_tokens >= 0 && c.warmup_steps >= 0 &&
             c.val_every >= 0 && c.val_batches >= 0 && c.sample_tokens >= 0 && c.top_k >= 0,
         "step, token and batch counts must not be negative");
-  check(c.profile_out.empty() || c.profile_steps >= 1,
-        "--profile_steps must be at least 1 with --profile_out");
+  check((c.profile_out.empty() && c.trace_out.empty()) || c.profile_steps >= 1,
+        "--profile_steps must be at least 1 with --profile_out or --trace_out");
+  // Both observe the same steps' operators: each would add its cost to the other's times.
+  check(c.profile_out.empty() || c.trace_out.empty(),
+        "--profile_out and --trace_out profile the same steps: give one of the two");
   check(c.val_fraction >= 0 && c.val_fraction < 1, "--val_fraction must be in [0, 1)");
   check(c.lr > 0, "--lr must be positive");
   check(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "--min_lr_ratio must be in [0, 1]");

@@ -111,6 +111,7 @@ struct Config {
   // Evaluation and output
   int64_t val_every = 0, val_batches = 0, log_every = 10;
   std::string metrics_out, profile_out;
+  std::string trace_out;  // --trace_out: a Kineto trace of the profiled steps
   int64_t profile_steps = 0;
   int64_t sample_tokens = 0;
   std::string prompt;

@@ -96,6 +96,9 @@ void Trainer::run() {
   report_.start(std::move(labels), schedule.total_steps, schedule.epochs, c_.log_every,
                 c_.metrics_out, resuming);
   if (rank0() && !c_.profile_out.empty()) op_profile_ = std::make_unique<OpProfile>();
+  if (rank0() && !c_.trace_out.empty()) {
+    trace_ = std::make_unique<KinetoTrace>(c_.trace_out, device_.is_cuda());
+  }
   if (!c_.ckpt_dir.empty()) stop_.emplace();  // SIGTERM/SIGINT: checkpoint, then stop
 
   RunState run;
@@ -121,6 +124,7 @@ void Trainer::run() {
                   run.step, format_duration(seconds_since(run_start)), run.last_loss, run.last_val,
                   run.last_grad_norm, run.max_rss));
   if (op_profile_ && op_profile_->steps() < c_.profile_steps) write_profile(schedule.total_steps);
+  if (trace_ && trace_->recording()) write_trace(schedule.total_steps);
   if (!c_.export_path.empty()) export_weights();
   if (comm_ && info_.world_size > 1) comm_->barrier_sync();  // no rank leaves a peer waiting
 }
@@ -191,17 +195,24 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
   set_learning_rate(*optimizer_, r.lr);
   // --profile_out: record this step's operators, between the same two clock reads as
   // step_time (the recorder is set up before t0 and removed after the step is timed).
-  const bool profiled =
-      op_profile_ && step >= kProfileWarmupSteps && step < kProfileWarmupSteps + c_.profile_steps;
+  const bool in_window =
+      step >= kProfileWarmupSteps && step < kProfileWarmupSteps + c_.profile_steps;
+  const bool profiled = op_profile_ && in_window;
   std::optional<OpRecorder> recorder;
   if (profiled) recorder.emplace(*op_profile_);
+  // --trace_out: from the window's first step to its last (or the run's end).
+  if (trace_ && in_window && step == kProfileWarmupSteps) trace_->start();
   const auto t0 = Clock::now();
 
   zero_grad_to_none(*optimizer_);
-  double local_loss = 0;
+  // The loss and the gradient norm stay on the device until the step's work is queued: a
+  // host read in between would make the host wait for the device before its next launch.
+  at::Tensor local_loss;
   for (int64_t m = 0; m < c_.grad_accum; ++m) {
-    const double loss = micro_step(index_in_epoch * c_.grad_accum + m, m + 1 == c_.grad_accum, r);
-    local_loss += loss / static_cast<double>(c_.grad_accum);
+    const at::Tensor loss =
+        micro_step(index_in_epoch * c_.grad_accum + m, m + 1 == c_.grad_accum, r)
+            .div(static_cast<double>(c_.grad_accum));
+    local_loss = m == 0 ? loss : local_loss.add(loss);
   }
   if (scaler_) {  // true gradients before clipping; every rank agrees on inf/NaN
     r.loss_scale = scaler_->current_scale();
@@ -211,7 +222,8 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
     scaler_->unscale(*optimizer_);
     if (agrees) r.wire += dtrain::wire_stats(*comm_).since(before);
   }
-  r.grad_norm = c_.clip > 0 ? strategy_->clip_grad_norm(c_.clip) : strategy_->grad_norm();
+  const at::Tensor grad_norm =
+      c_.clip > 0 ? strategy_->clip_grad_norm_tensor(c_.clip) : strategy_->grad_norm_tensor();
   // The last micro-batch's bytes on the wire, now with the norm's all-reduce (FSDP).
   r.wire += strategy_->last_step_stats().wire;
   if (scaler_) {
@@ -220,7 +232,11 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
   } else {
     optimizer_->step();
   }
+  // One host read for both, queued after the optimizer's kernels.
+  const at::Tensor values =
+      at::stack({local_loss.to(grad_norm.device(), at::kDouble), grad_norm.to(at::kDouble)}).cpu();
   sync_device();
+  r.grad_norm = values[1].item<double>();
 
   r.step_time_s = seconds_since(t0);
   recorder.reset();
@@ -228,16 +244,20 @@ StepRecord Trainer::train_step(const Schedule& schedule, int64_t epoch, int64_t 
     op_profile_->add_step(r.step_time_s);
     if (op_profile_->steps() == c_.profile_steps) write_profile(schedule.total_steps);
   }
-  gather_rank_values(local_loss, r);
+  if (trace_ && trace_->recording() && step + 1 == kProfileWarmupSteps + c_.profile_steps) {
+    write_trace(schedule.total_steps);
+  }
+  gather_rank_values(values[0].item<double>(), r);
   check(std::isfinite(r.loss), fmt::format("loss is {} at step {}", r.loss, r.step));
   return r;
 }
 
 // Forward and backward of one micro-batch; adds its communication to `record` (the last
-// micro-batch's bytes on the wire after the gradient norm: train_step) and returns its loss.
+// micro-batch's bytes on the wire after the gradient norm: train_step) and returns its loss
+// (detached, on the device: not read here).
 // Only the step's last micro-batch communicates gradients: the others accumulate locally
 // (Strategy::set_requires_gradient_sync; DDP in its buckets, FSDP unsharded).
-double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
+at::Tensor Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
   Batch b = task_->load_batch(train_tokens_, *train_sampler_, micro_batch);
   // The batch's sequences, as the sampler gave them to load_batch: the metrics' digest.
   for (int64_t offset : train_sampler_->rank_offsets(micro_batch)) {
@@ -247,7 +267,7 @@ double Trainer::micro_step(int64_t micro_batch, bool last, StepRecord& record) {
   at::Tensor x = b.inputs.to(device_), y = b.targets.to(device_);
   strategy_->set_requires_gradient_sync(last);
   at::Tensor loss = strategy_->forward([&] { return model_loss(x, y); });
-  const double value = loss.item<double>();
+  const at::Tensor value = loss.detach().to(at::kDouble);  // as the host double it was
   if (c_.grad_accum > 1) loss = loss / static_cast<double>(c_.grad_accum);
   strategy_->backward(scaler_ ? scaler_->scale(loss) : loss);
   const dtrain::StepStats& stats = strategy_->last_step_stats();
@@ -350,6 +370,14 @@ void Trainer::write_profile(int64_t total_steps) {
     say(fmt::format("profile: {} steps, {:.3f} s/step, written to {}", n,
                     op_profile_->wall_s() / static_cast<double>(n), c_.profile_out));
   }
+}
+
+// Rank 0 with --trace_out: after the window's last step, or at the end of a shorter run.
+void Trainer::write_trace(int64_t total_steps) {
+  const std::size_t events = trace_->stop();
+  say(fmt::format(
+      "trace: {} events of steps {} to {} (of {}), written to {}", events, kProfileWarmupSteps + 1,
+      std::min(kProfileWarmupSteps + c_.profile_steps, total_steps), total_steps, trace_->path()));
 }
 
 void Trainer::sync_device() {

@@ -5,6 +5,7 @@
 // run (finish, export, sample).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/optim/adamw.h>
 
@@ -26,6 +27,7 @@
 #include "dtrain/store.h"
 #include "dtrain/strategy.h"
 #include "dtrain/wire_stats.h"
+#include "kineto_trace.h"
 #include "model.h"
 #include "op_profile.h"
 #include "records.h"
@@ -73,11 +75,12 @@ class Trainer {
   void evaluate_only(int64_t step);
   StepRecord train_step(const Schedule& schedule, int64_t epoch, int64_t index_in_epoch,
                         int64_t step);
-  double micro_step(int64_t micro_batch, bool last, StepRecord& record);
+  at::Tensor micro_step(int64_t micro_batch, bool last, StepRecord& record);
   at::Tensor model_loss(const at::Tensor& x, const at::Tensor& y);
   void gather_rank_values(double local_loss, StepRecord& record);
   double validate();
   void write_profile(int64_t total_steps);
+  void write_trace(int64_t total_steps);
 
   // Checkpoints and weights (trainer_checkpoint.cpp).
   int64_t resume_step();
@@ -117,6 +120,7 @@ class Trainer {
   std::unique_ptr<dtrain::GradScaler> scaler_;  // --loss_scale
   Reporter report_;
   std::unique_ptr<OpProfile> op_profile_;  // rank 0 with --profile_out
+  std::unique_ptr<KinetoTrace> trace_;     // rank 0 with --trace_out
   // With --ckpt_dir. Last: destroyed first, it waits for a background write in flight.
   std::unique_ptr<dtrain::Checkpointer> checkpointer_;
 };

@@ -1,14 +1,17 @@
 // The operator profiler: what it records, self vs inclusive time, and that it records
-// nothing outside an OpRecorder's life.
+// nothing outside an OpRecorder's life. The Kineto trace (--trace_out): what it writes, and
+// that a LibTorch without Kineto fails at its construction.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 
 #include "dtrain/errors.h"
+#include "kineto_trace.h"
 #include "op_profile.h"
 
 namespace gpt2 {
@@ -84,6 +87,42 @@ TEST(OpProfile, WritesJsonSortedBySelfTime) {
   ASSERT_NE(small, std::string::npos);
   EXPECT_LT(big, small) << json;
   EXPECT_NE(json.find("\"calls\": 2"), std::string::npos) << json;
+}
+
+std::string read_file(const std::string& path) {
+  std::stringstream text;
+  text << std::ifstream(path).rdbuf();
+  return text.str();
+}
+
+// With Kineto (LibTorch 2.x as Debian and PyTorch build it) the trace holds the operators run
+// between start() and stop(), and not those before; without it (Debian bookworm's 1.13) the
+// constructor says so, before anything is trained.
+TEST(KinetoTrace, WritesTheTracedOperatorsOrRefusesAtConstruction) {
+  const std::string path = ::testing::TempDir() + "kineto_trace_test.json";
+  std::unique_ptr<KinetoTrace> trace;
+  try {
+    trace = std::make_unique<KinetoTrace>(path, /*cuda=*/false);
+  } catch (const dtrain::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("USE_KINETO"), std::string::npos) << e.what();
+    GTEST_SKIP() << "this LibTorch has no Kineto: " << e.what();
+  }
+  at::Tensor a = at::randn({64, 64});
+  (void)at::addmm(a, a, a);  // before start(): not in the trace
+  trace->start();
+  EXPECT_TRUE(trace->recording());
+  (void)at::mm(a, a);
+  EXPECT_GT(trace->stop(), 0u);
+  EXPECT_FALSE(trace->recording());
+  const std::string json = read_file(path);
+  EXPECT_NE(json.find("\"traceEvents\""), std::string::npos) << json.substr(0, 500);
+  EXPECT_NE(json.find("\"aten::mm\""), std::string::npos) << json.substr(0, 2000);
+  EXPECT_EQ(json.find("\"aten::addmm\""), std::string::npos);
+  EXPECT_THROW(trace->start(), dtrain::Error);  // one window per trace
+}
+
+TEST(KinetoTrace, AnUnwritablePathFailsAtConstruction) {
+  EXPECT_THROW(KinetoTrace("/nonexistent-dir/trace.json", false), dtrain::Error);
 }
 
 }  // namespace
