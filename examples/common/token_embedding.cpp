@@ -35,7 +35,8 @@ struct TokenLookup : torch::autograd::Function<TokenLookup> {
 }  // namespace
 
 at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
-                        const at::Tensor& idx, int64_t context, const char* model) {
+                        const at::Tensor& idx, int64_t context, const char* model,
+                        bool sparse_grad) {
   const int64_t T = idx.size(1);
   if (T > context) {
     throw dtrain::InvalidArgument(
@@ -44,7 +45,8 @@ at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positi
   at::Tensor pos = at::arange(T, idx.options().dtype(at::kLong));
   // Sparse: the dense backward would zero and fill a [vocab, dim] table (147 MiB for
   // GPT-2 small) only to add it to the tied head's gradient (see token_embedding.h).
-  at::Tensor tok = TokenLookup::apply(tokens->weight, idx);
+  at::Tensor tok =
+      sparse_grad ? TokenLookup::apply(tokens->weight, idx) : at::embedding(tokens->weight, idx);
   return tok + positions->forward(pos);
 }
 

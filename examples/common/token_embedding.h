@@ -17,7 +17,10 @@ namespace gpt2 {
 // stays dense. Without a head using the weight .grad would be sparse.
 // The lookup's backward keeps only the ids and the row count, never the table, so under
 // FSDP the table need not be gathered for it (dtrain::ParamsInBackward::kNotRead).
+// With sparse_grad = false the token table's gradient is dense, as torch.nn.Embedding's by
+// default: for a device without sparse tensors (the tests' fake accelerator).
 at::Tensor embed_tokens(torch::nn::Embedding tokens, torch::nn::Embedding positions,
-                        const at::Tensor& idx, int64_t context, const char* model);
+                        const at::Tensor& idx, int64_t context, const char* model,
+                        bool sparse_grad = true);
 
 }  // namespace gpt2

@@ -214,7 +214,10 @@ at::Tensor GptImpl::hidden(const at::Tensor& idx) {
   // The token lookup's backward needs only idx (embed_tokens): with wte a unit of its own
   // (GptTask under FSDP), the table is not gathered for it.
   at::Tensor x = dtrain::unit_call(
-      *wte, [&] { return embed_tokens(wte, wpe, idx, config_.context, "GPT"); },
+      *wte,
+      [&] {
+        return embed_tokens(wte, wpe, idx, config_.context, "GPT", config_.sparse_token_grad);
+      },
       dtrain::ParamsInBackward::kNotRead);
   for (auto& block : blocks) {
     // A no-op wrapper except under FSDP, where it gathers and frees the block's weights (and

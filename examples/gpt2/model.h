@@ -44,6 +44,10 @@ struct GptConfig {
   // LibTorch has one (2.x); false, or on 1.13: the explicit matmul, causal mask, fp32
   // softmax, matmul. The same function either way (tests/model_test.cpp compares them).
   bool fused_attention = true;
+  // The token table's gradient from the lookup: sparse (B*T rows, added to the tied head's
+  // dense gradient; embed_tokens) or, false, dense as torch.nn.Embedding's, for a device
+  // without sparse tensors (dtrain_bench_launches on the tests' fake accelerator).
+  bool sparse_token_grad = true;
   // Build with deferred parameters on `deferred_device` (dtrain::defer_parameters, each
   // block right after it is built, so building holds one block at most) and skip
   // reset_parameters: for FullyShardedDataParallel with FsdpOptions::deferred_init =
