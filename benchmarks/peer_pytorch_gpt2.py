@@ -10,8 +10,9 @@ in one process (--nproc 1) or over Gloo (--nproc N, one process per rank started
 root, device_id cpu); --strategy fsdp2 is what a PyTorch 2.14 user writes, fully_shard on each
 block, then on the root (PyTorch 2.6's fully_shard fails on CPU with "'Stream' object has no
 attribute 'record_event'"; 2.14's trains over gloo). --check_single (with --nproc > 1): before
-training, rank 0 also runs step 0 in one process on every rank's rows together and the run
-fails unless the distributed step-0 loss and gradient norm equal it (relative 1e-4): a peer
+training, a separate process (so that its memory is in no rank's peak RSS) runs step 0 on
+every rank's rows together, and the run fails unless the distributed step-0 loss and
+gradient norm equal it (relative 1e-4): a peer
 that sums gradients instead of averaging them (reported upstream for FSDP2 over gloo) doubles
 the norm and is never benchmarked. --attention explicit: matmul, mask,
 softmax, matmul (what PyTorch 1.13 offers); sdpa: F.scaled_dot_product_attention (2.x). Threads per rank = cores / ranks, as
@@ -121,10 +122,16 @@ def batch(gen, args):
     return x, y
 
 
-def step0_single(model, args, world):
-    """Step 0's loss and gradient norm in one process on every rank's rows (a copy of model)."""
-    import copy
-    m = copy.deepcopy(model)
+def new_model(args):
+    torch.manual_seed(1)
+    return GPT(50257, 128, 4, 4, 256, sdpa=args.attention == "sdpa")
+
+
+def step0_single(args, world, results):
+    """Step 0's loss and gradient norm in one process on every rank's rows (the ranks'
+    initial model), put on `results`; runs in its own process."""
+    torch.set_num_threads(os.cpu_count())
+    m = new_model(args)
     rows = [batch(torch.Generator().manual_seed(1234 + r), args) for r in range(world)]
     x = torch.cat([r[0] for r in rows])
     y = torch.cat([r[1] for r in rows])
@@ -132,7 +139,7 @@ def step0_single(model, args, world):
     loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"))
-    return loss.item(), norm.item()
+    results.put((loss.item(), norm.item()))
 
 
 def check_step0(loss, norm, reference, rank, world):
@@ -153,7 +160,7 @@ def check_step0(loss, norm, reference, rank, world):
                          "trains on the global batch; not benchmarking it")
 
 
-def run(rank, args):
+def run(rank, args, reference=None):
     world = args.nproc
     torch.set_num_threads(max(1, os.cpu_count() // world))
     if world > 1:
@@ -162,11 +169,7 @@ def run(rank, args):
         # Debian's PyTorch 2.x is built without libuv, which its TCPStore uses by default.
         os.environ.setdefault("USE_LIBUV", "0")
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(1)
-    model = GPT(50257, 128, 4, 4, 256, sdpa=args.attention == "sdpa")
-    reference = None
-    if world > 1 and args.check_single and rank == 0:
-        reference = step0_single(model, args, world)  # before any wrapper touches the weights
+    model = new_model(args)
     fsdp = world > 1 and args.strategy == "fsdp"
     if world > 1 and args.strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -254,8 +257,18 @@ def main():
         p.error("--profile_steps must be at least 1 with --profile_out")
     if args.nproc == 1:
         run(0, args)
-    else:
-        mp.spawn(run, args=(args,), nprocs=args.nproc)
+        return
+    reference = None
+    if args.check_single:
+        ctx = mp.get_context("spawn")
+        results = ctx.SimpleQueue()
+        single = ctx.Process(target=step0_single, args=(args, args.nproc, results))
+        single.start()
+        single.join()
+        if single.exitcode != 0:
+            raise SystemExit(f"check_single: the one-process reference failed ({single.exitcode})")
+        reference = results.get()
+    mp.spawn(run, args=(args, reference), nprocs=args.nproc)
 
 
 if __name__ == "__main__":
