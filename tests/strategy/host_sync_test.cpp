@@ -251,8 +251,11 @@ TEST(HostSyncGradScaler, OneReadPerStepForTheSkipDecision) {
 
 // clip_grad_norm_tensor() clips as the host clip did (the norm from per-tensor norms summed
 // in double on the host, then `if (coef < 1) g.mul_(coef)`): the same gradients bitwise, the
-// same norm up to the order of the double sum.
-TEST(HostSyncClip, DeviceCoefficientClipsAsTheHostOneBitwise) {
+// same norm up to the order of the double sum. bf16 gradients: within one bf16 ulp (2^-7
+// relative) of the host clip's, as LibTorch 2.14's CPU foreach multiply rounds some elements
+// the other way (seen: 1 ulp, with the same coefficient), and a GPU's rounds the coefficient
+// to bf16 first, as PyTorch's own clip does.
+TEST(HostSyncClip, DeviceCoefficientClipsAsTheHostOne) {
   for (const bool bf16 : {false, true}) {
     for (const double max_norm : {1e9, 0.05}) {
       std::vector<std::vector<at::Tensor>> grads;
@@ -283,8 +286,14 @@ TEST(HostSyncClip, DeviceCoefficientClipsAsTheHostOneBitwise) {
       }
       EXPECT_NEAR(norms[0], norms[1], 1e-12 * norms[0]);
       for (size_t i = 0; i < grads[0].size(); ++i) {
-        EXPECT_TRUE(at::equal(grads[0][i], grads[1][i]))
-            << "parameter " << i << (bf16 ? " bf16" : " fp32") << " max_norm " << max_norm;
+        if (bf16) {
+          EXPECT_TRUE(at::allclose(grads[1][i].to(at::kFloat), grads[0][i].to(at::kFloat),
+                                   1.0 / 128, 0))
+              << "parameter " << i << " bf16 max_norm " << max_norm;
+        } else {
+          EXPECT_TRUE(at::equal(grads[0][i], grads[1][i]))
+              << "parameter " << i << " fp32 max_norm " << max_norm;
+        }
       }
     }
   }
