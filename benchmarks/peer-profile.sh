@@ -16,8 +16,15 @@
 # time, and the difference (time outside every recorded operator: the Python interpreter, or
 # dtrain's own C++ between operators, waits). Profiling adds a little time per operator call
 # on both sides; compare the profiled step times with peer-comparison.sh's to see how much.
+# PEER_TORCH=forky: everything inside scripts/chroot.sh's forky root (PyTorch 2.14, dtrain
+# built in build-forky/), and the FSDP pair is FSDP2 (fully_shard per block, then the root).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${PEER_TORCH:-system}" = forky ] && [ -z "${PEER_IN_ROOT:-}" ]; then
+  "$root/scripts/chroot.sh" create forky
+  exec "$root/scripts/chroot.sh" run forky env PEER_IN_ROOT=1 PEER_TORCH=forky \
+    DTRAIN_BUILD_DIR="${DTRAIN_BUILD_DIR:-$root/build-forky}" "$root/benchmarks/peer-profile.sh"
+fi
 build="${DTRAIN_BUILD_DIR:-$root/build}"
 out="${OUT:-$root/report/bench}"
 profile_steps="${PROFILE_STEPS:-5}"
@@ -58,12 +65,14 @@ if [ "${DDP:-0}" = 1 ]; then
   pairs+=("DDP, 2 ranks (rank 0):torch_ddp:dtrain_ddp")
 fi
 if [ "${FSDP:-0}" = 1 ]; then
-  py --nproc 2 --strategy fsdp --port 29643 --metrics_out "$out/profile_torch_fsdp.jsonl" \
+  torch_fsdp=fsdp  # FSDP1; PyTorch 2.14 (forky): FSDP2
+  [ "${PEER_TORCH:-system}" = forky ] && torch_fsdp=fsdp2
+  py --nproc 2 --strategy "$torch_fsdp" --port 29643 --metrics_out "$out/profile_torch_fsdp.jsonl" \
     --profile_out "$out/profile_torch_fsdp.json"
   "$train" "${dt[@]}" --strategy fsdp --nproc 2 --loss standard \
     --metrics_out "$out/profile_dtrain_fsdp_std.jsonl" \
     --profile_out "$out/profile_dtrain_fsdp_std.json" >/dev/null
-  pairs+=("FSDP, 2 ranks (rank 0), dtrain with the same model code (--loss standard):torch_fsdp:dtrain_fsdp_std")
+  pairs+=("FSDP, 2 ranks (rank 0), PyTorch ${torch_fsdp^^}, dtrain with the same model code (--loss standard):torch_fsdp:dtrain_fsdp_std")
 fi
 /usr/bin/python3 - "$out" "$top" "${pairs[@]}" <<'PY' | tee "$out/profile.md"
 import json, sys
