@@ -93,8 +93,10 @@ int run() {
   dtrain::FusedAdamW opt(strategy->parameters(),
                          torch::optim::AdamWOptions(6e-4).betas({0.9, 0.95}).weight_decay(0.1));
   const int64_t batch = absl::GetFlag(FLAGS_batch);
-  const at::Tensor x = at::randint(config.vocab_size, {batch, config.context}, at::kLong).to(device);
-  const at::Tensor y = at::randint(config.vocab_size, {batch, config.context}, at::kLong).to(device);
+  const at::Tensor x =
+      at::randint(config.vocab_size, {batch, config.context}, at::kLong).to(device);
+  const at::Tensor y =
+      at::randint(config.vocab_size, {batch, config.context}, at::kLong).to(device);
   const bool fused_loss = loss_name == "fused";
   at::Tensor last_loss;
   auto step = [&] {
@@ -108,11 +110,11 @@ int run() {
   for (int64_t i = 0; i < warmup; ++i) step();
 
   std::string result;
-  const std::string shape =
-      fmt::format("\"layers\": {}, \"heads\": {}, \"dim\": {}, \"ctx\": {}, \"vocab\": {}, "
-                  "\"batch\": {}, \"loss\": \"{}\", \"threads\": {}",
-                  config.layers, config.heads, config.dim, config.context, config.vocab_size,
-                  batch, loss_name, absl::GetFlag(FLAGS_threads));
+  const std::string shape = fmt::format(
+      "\"layers\": {}, \"heads\": {}, \"dim\": {}, \"ctx\": {}, \"vocab\": {}, "
+      "\"batch\": {}, \"loss\": \"{}\", \"threads\": {}",
+      config.layers, config.heads, config.dim, config.context, config.vocab_size, batch, loss_name,
+      absl::GetFlag(FLAGS_threads));
   if (fake) {
     const dtrain::testing::HostReads before = dtrain::testing::host_reads();
     std::map<std::string, int64_t> by_name;

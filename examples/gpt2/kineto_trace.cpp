@@ -41,7 +41,8 @@ std::size_t disable_and_save(const std::string& path) {
     // LibTorch's message names USE_KINETO when that is the cause; keep only its first line.
     std::string why = e.what();
     why = why.substr(0, why.find('\n'));
-    throw dtrain::Error(fmt::format("--trace_out: cannot write a Kineto trace to {}: {}", path, why));
+    throw dtrain::Error(
+        fmt::format("--trace_out: cannot write a Kineto trace to {}: {}", path, why));
   }
   if (!std::ifstream(path).good()) {
     throw dtrain::Error(fmt::format("--trace_out: cannot write a Kineto trace to {}", path));

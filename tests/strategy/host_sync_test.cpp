@@ -287,8 +287,8 @@ TEST(HostSyncClip, DeviceCoefficientClipsAsTheHostOne) {
       EXPECT_NEAR(norms[0], norms[1], 1e-12 * norms[0]);
       for (size_t i = 0; i < grads[0].size(); ++i) {
         if (bf16) {
-          EXPECT_TRUE(at::allclose(grads[1][i].to(at::kFloat), grads[0][i].to(at::kFloat),
-                                   1.0 / 128, 0))
+          EXPECT_TRUE(
+              at::allclose(grads[1][i].to(at::kFloat), grads[0][i].to(at::kFloat), 1.0 / 128, 0))
               << "parameter " << i << " bf16 max_norm " << max_norm;
         } else {
           EXPECT_TRUE(at::equal(grads[0][i], grads[1][i]))
