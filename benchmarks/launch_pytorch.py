@@ -8,6 +8,8 @@ on CUDA ones: _foreach_norm, one coefficient, _foreach_mul_); AdamW(fused=True) 
 betas 0.9/0.95, weight decay 0.1). The model is benchmarks/peer_pytorch_gpt2.py's GPT (the
 like-for-like model of the peer comparison) with F.scaled_dot_product_attention, fp32.
 
+  --attention math: SDPA's math backend (matmuls and softmax), as on a device without a fused
+    attention kernel (dtrain's count on the fake accelerator); auto: flash attention.
   --mode count: outermost ATen calls per steady-state step, from torch.autograd.profiler's
     events: an "aten::" event with no "aten::" event around it on its thread, as
     tests/support/op_counter.h counts dtrain's.
@@ -53,6 +55,9 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--attention", choices=["auto", "math"], default="auto",
+                   help="auto: SDPA picks its kernel (flash on CPU and CUDA); math: SDPA's "
+                        "composite math backend, what dtrain's fake accelerator runs")
     a = p.parse_args()
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps >= 1, --warmup >= 0")
@@ -73,11 +78,15 @@ def main():
         opt.step()
         return loss
 
+    if a.attention == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        math_only = sdpa_kernel(SDPBackend.MATH)  # kept: collected, it would restore them
+        math_only.__enter__()  # for the rest of the run
     for _ in range(a.warmup):
         step()
     shape = {"layers": a.layers, "heads": a.heads, "dim": a.dim, "ctx": a.ctx, "vocab": a.vocab,
              "batch": a.batch, "loss": "standard", "threads": a.threads,
-             "torch": torch.__version__}
+             "attention": a.attention, "torch": torch.__version__}
     if a.mode == "count":
         with torch.autograd.profiler.profile() as prof:
             for _ in range(a.steps):
