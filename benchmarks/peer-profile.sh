@@ -22,7 +22,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "${PEER_TORCH:-system}" = forky ] && [ -z "${PEER_IN_ROOT:-}" ]; then
   "$root/scripts/chroot.sh" create forky
+  # chroot.sh passes OUT and DTRAIN_* on; this script's other knobs go explicitly.
   exec "$root/scripts/chroot.sh" run forky env PEER_IN_ROOT=1 PEER_TORCH=forky \
+    DDP="${DDP:-0}" FSDP="${FSDP:-0}" PROFILE_STEPS="${PROFILE_STEPS:-5}" TOP="${TOP:-25}" \
     DTRAIN_BUILD_DIR="${DTRAIN_BUILD_DIR:-$root/build-forky}" "$root/benchmarks/peer-profile.sh"
 fi
 build="${DTRAIN_BUILD_DIR:-$root/build}"
