@@ -42,7 +42,8 @@ jobs="${DTRAIN_JOBS:-$(nproc)}"
 # autograd hooks and errors, checkpointing's storage tricks), a DDP and an FSDP equivalence
 # case, and the installed package; and the targets that hold them (DTRAIN_CI_SMOKE_TARGETS).
 smoke='^(gpt2_train[.]|[A-Za-z]+/)?(Autocast|AutocastBf16Cpu|Attention|GptModel|FusedAdamW|ActivationCheckpoint'
-smoke+='|Checkpoint|BufferCheckpoint|SyncBatchNorm|SyncBatchNormStrategies)[.]'
+smoke+='|Checkpoint|BufferCheckpoint|SyncBatchNorm|SyncBatchNormStrategies|HostSync|HostSyncDebug'
+smoke+='|HostSyncGradScaler|HostSyncClip|FakeDevice)[.]'
 smoke+='|^Ranks/(DataParallel|Fsdp)Equivalence[.].*_world2$|^package[.]find_package_consumer$'
 DTRAIN_CI_SMOKE="${DTRAIN_CI_SMOKE:-$smoke}"
 smoke_targets="dtrain_tests dtrain_test_worker gpt2_train_tests dtrain-run dtrain-supervise"
@@ -65,7 +66,11 @@ build_and_test() {
 leg_forky() { build_and_test forky build-forky ""; }
 leg_cpu() { build_and_test cpu build-trixie "$DTRAIN_CI_SMOKE_TARGETS" -R "'$DTRAIN_CI_SMOKE'"; }
 
+# The CUDA-touching sources: the library, the trainer, the NCCL tests, and the tests of the
+# device paths (host syncs, FusedAdamW's multi-tensor update) against CUDA LibTorch's headers.
 cuda_targets="dtrain gpt2_train tests/CMakeFiles/dtrain_tests.dir/nccl/nccl_test.cpp.o"
+cuda_targets+=" tests/CMakeFiles/dtrain_tests.dir/strategy/host_sync_test.cpp.o"
+cuda_targets+=" tests/CMakeFiles/dtrain_tests.dir/optim/fused_adamw_test.cpp.o"
 DTRAIN_CI_CUDA_TARGETS="${DTRAIN_CI_CUDA_TARGETS-$cuda_targets}"
 leg_cuda() {
   local targets=""
