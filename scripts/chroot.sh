@@ -155,7 +155,10 @@ create() {
     return 0
   fi
   command -v debootstrap >/dev/null || {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null
+    # The host's dpkg may be busy with scripts/install-deps.sh (.ci/run runs both at once):
+    # the same lock file serialises them, and apt waits for any other holder.
+    flock /var/lock/dtrain-apt.lock env DEBIAN_FRONTEND=noninteractive \
+      apt-get -o DPkg::Lock::Timeout=900 install -y -q debootstrap >/dev/null
   }
   local uri
   uri="$(mirror)"

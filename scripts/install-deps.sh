@@ -41,5 +41,7 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 echo "install-deps: installing ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# One apt at a time on this host: scripts/chroot.sh installs debootstrap through the same
+# lock (.ci/run makes leg 4's root while leg 1 installs), and apt waits for other holders.
+$SUDO flock /var/lock/dtrain-apt.lock sh -c "apt-get -o DPkg::Lock::Timeout=900 update -qq &&
+  apt-get -o DPkg::Lock::Timeout=900 install -y -qq --no-install-recommends ${missing[*]} >/dev/null"
