@@ -32,6 +32,8 @@
 // any host; keys live under /dtrain/<TORCHELASTIC_RUN_ID>/<DTRAIN_GENERATION>/ (run id
 // "none" and generation 0 when unset), and MASTER_ADDR, MASTER_PORT and DTRAIN_STORE_TOKEN
 // play no part in it.
+// DTRAIN_JOIN_TIMEOUT (seconds, e.g. 60 or 2.5; dtrain-run's --join_timeout_s): how long a rank
+// waits for the master and for every rank to join (LaunchInfo::join_timeout, connect_store).
 // CUDA_VISIBLE_DEVICES is read for the device contract (LaunchInfo::cuda_device).
 // LaunchInfo::from_env() is the only place dtrain reads these variables.
 #pragma once
@@ -87,6 +89,10 @@ struct LaunchInfo {
   // DTRAIN_TRANSPORT: communicator_options sets CommunicatorOptions::transport to this where
   // the caller left it at kAuto.
   Transport transport = Transport::kAuto;
+  // DTRAIN_JOIN_TIMEOUT: when set, connect_store and init_communicator wait this long for the
+  // master and for every rank, whatever timeout the program passes (an operator's setting
+  // wins over the code's). nullopt: the program's timeout (300 s unless it says otherwise).
+  std::optional<std::chrono::milliseconds> join_timeout;
   // CUDA_VISIBLE_DEVICES as this process got it; nullopt when unset. Only the number of
   // devices it lists matters to dtrain (cuda_device).
   std::optional<std::string> cuda_visible_devices;
@@ -138,13 +144,19 @@ int cuda_device_count();
 // dtrain::InvalidArgument naming both sides (e.g. two hosts with the same --node_rank, or
 // hosts started with different --nnodes / --nproc_per_node, or an etcd still holding an
 // earlier run with the same run id and generation). An unreachable master or etcd throws
-// dtrain::TimeoutError after `timeout`; a port already taken on the master throws
+// dtrain::TimeoutError after the join timeout; a port already taken on the master throws
 // dtrain::CommError on rank 0.
+// The join timeout is info.join_timeout (DTRAIN_JOIN_TIMEOUT) when set, else `timeout`, else
+// 300 s. While it waits, a rank says so on stderr every 30 s (every tenth of the join timeout
+// when that is shorter, at least every second), e.g.
+//   dtrain: rank 1 of 2 waiting for the master at 10.0.0.1:29500, 30 s of 300 s ...
+//   dtrain: rank 0 of 2 waiting for 1 of 2 ranks (rank 1) at 10.0.0.1:29500, 30 s of 300 s ...
 std::shared_ptr<Store> connect_store(const LaunchInfo& info,
-                                     std::chrono::milliseconds timeout = std::chrono::seconds(300));
+                                     std::optional<std::chrono::milliseconds> timeout = {});
 
-// connect_store + make_communicator(info.communicator_options(options)): the usual first
-// line of a distributed program. A world of size 1 needs no store and never touches the
+// connect_store (with options.timeout as the program's join timeout) +
+// make_communicator(info.communicator_options(options)): the usual first line of a
+// distributed program. A world of size 1 needs no store and never touches the
 // network.
 CommunicatorPtr init_communicator(const LaunchInfo& info, const CommunicatorOptions& options = {});
 

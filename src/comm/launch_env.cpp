@@ -3,6 +3,7 @@
 #include "comm/launch_env.h"
 
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <stdexcept>
@@ -308,6 +309,15 @@ LaunchInfo LaunchInfo::from_env(const std::map<std::string, std::string>& env) {
       fail(fmt::format("DTRAIN_STORE_TOKEN is {} bytes long; at most {}", token->size(),
                        store_protocol::kMaxTokenBytes));
     info.store_token = *token;
+  }
+  if (const std::string* t = lookup(env, "DTRAIN_JOIN_TIMEOUT")) {
+    errno = 0;
+    char* end = nullptr;
+    const double seconds = std::strtod(t->c_str(), &end);
+    // At least a millisecond, at most a week: a typo (ms for s) should fail, not hang for days.
+    if (errno != 0 || *end != '\0' || !(seconds >= 0.001 && seconds <= 7 * 24 * 3600.0))
+      fail(fmt::format("DTRAIN_JOIN_TIMEOUT='{}': expected seconds in [0.001, 604800]", *t));
+    info.join_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
   }
   read_rendezvous(env, info);
   // Read even when empty: CUDA_VISIBLE_DEVICES="" hides every device.

@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
+#include "comm/store/socket.h"
 #include "dtrain/errors.h"
 #include "dtrain/etcd_store.h"
 
@@ -15,6 +18,9 @@ namespace dtrain {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr milliseconds kDefaultJoinTimeout = std::chrono::seconds(300);
 
 int64_t get_int(Store& store, const std::string& key) { return store.add(key, 0); }
 
@@ -26,16 +32,53 @@ std::string store_location(const LaunchInfo& info) {
   return fmt::format("{}:{}", info.master_addr, info.master_port);
 }
 
+// The lines a waiting rank prints: every 30 s, or every tenth of the join timeout when that
+// is shorter (at least every second), so that a wrong MASTER_PORT or a rank that never
+// started is visible long before the timeout.
+class JoinProgress {
+ public:
+  JoinProgress(const LaunchInfo& info, milliseconds timeout)
+      : info_(info),
+        timeout_(timeout),
+        interval_(std::clamp(timeout / 10, milliseconds(1000), milliseconds(30000))),
+        start_(Clock::now()),
+        next_(start_ + interval_) {}
+
+  Clock::time_point next() const { return next_; }
+
+  // Prints "waiting for <what>" when the next line is due.
+  void say(const std::string& what) {
+    const auto now = Clock::now();
+    if (now < next_) return;
+    while (next_ <= now) next_ += interval_;
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start_);
+    fmt::print(stderr,
+               "dtrain: rank {} of {} waiting for {} at {}, {} s of {:g} s (the join timeout: "
+               "DTRAIN_JOIN_TIMEOUT or dtrain-run --join_timeout_s)\n",
+               info_.rank, info_.world_size, what, store_location(info_), waited.count(),
+               static_cast<double>(timeout_.count()) / 1000.0);
+    std::fflush(stderr);
+  }
+
+ private:
+  const LaunchInfo& info_;
+  milliseconds timeout_;
+  milliseconds interval_;
+  Clock::time_point start_;
+  Clock::time_point next_;
+};
+
 // Checks, through the store, that every rank of [0, world_size) is claimed by exactly one
 // process and that all agree on world_size; a failure seen by one rank is published under
 // "error" so that every rank fails with the same message instead of waiting out its timeout.
 class LaunchCheck {
  public:
-  LaunchCheck(std::shared_ptr<Store> store, const LaunchInfo& info,
-              std::chrono::milliseconds timeout)
+  LaunchCheck(std::shared_ptr<Store> store, const LaunchInfo& info, milliseconds timeout,
+              JoinProgress& progress)
       : store_(make_prefix_store("dtrain/launch", std::move(store))),
         info_(info),
         timeout_(timeout),
+        progress_(progress),
         ctx_{info.rank, info.world_size, "rendezvous", -1} {}
 
   void run() {
@@ -96,13 +139,40 @@ class LaunchCheck {
       const int64_t joined = get_int(*store_, "joined");
       if (joined >= info_.world_size) return;
       if (Clock::now() >= deadline) {
-        throw TimeoutError(ctx_,
-                           fmt::format("only {} of {} ranks joined at {} within {} ms", joined,
-                                       info_.world_size, store_location(info_), timeout_.count()));
+        throw TimeoutError(ctx_, fmt::format("only {} of {} ranks joined at {} within {} ms{}",
+                                             joined, info_.world_size, store_location(info_),
+                                             timeout_.count(), missing_ranks()));
+      }
+      // Rank 0 speaks for the job: every rank waiting alike would be one line per process.
+      if (info_.rank == 0 && Clock::now() >= progress_.next()) {
+        progress_.say(fmt::format("{} of {} ranks{}", info_.world_size - joined,
+                                  info_.world_size, missing_ranks()));
       }
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
       backoff = std::min(backoff * 2, std::chrono::milliseconds(50));
     }
+  }
+
+  // " (ranks 1, 3)": the ranks no process has claimed yet, up to 8 of them (none listed for
+  // worlds above 1024, where asking is too many round trips).
+  std::string missing_ranks() const {
+    if (info_.world_size > 1024) return "";
+    std::vector<std::string> missing;
+    int more = 0;
+    for (int r = 0; r < info_.world_size; ++r) {
+      if (store_->check({fmt::format("claim/{}", r)})) continue;
+      if (missing.size() < 8) {
+        missing.push_back(std::to_string(r));
+      } else {
+        ++more;
+      }
+    }
+    if (missing.empty()) return "";
+    std::string list = missing[0];
+    for (size_t i = 1; i < missing.size(); ++i) list += ", " + missing[i];
+    if (more > 0) list += fmt::format(" and {} more", more);
+    return fmt::format(" ({} {} not started or not reaching the store)",
+                       missing.size() + more == 1 ? "rank" : "ranks", list);
   }
 
   // Publishes `why` (unless it came from the store) and throws it. Rank 0 may serve the
@@ -121,7 +191,8 @@ class LaunchCheck {
 
   std::shared_ptr<Store> store_;
   const LaunchInfo& info_;
-  std::chrono::milliseconds timeout_;
+  milliseconds timeout_;
+  JoinProgress& progress_;
   ErrorContext ctx_;
 };
 
@@ -162,6 +233,23 @@ CommunicatorOptions LaunchInfo::communicator_options(CommunicatorOptions options
 
 namespace {
 
+// Waits until rank 0's store accepts connections, saying so while it does not: the TCP
+// store's own connect would wait silently for the whole timeout. Throws TimeoutError at the
+// deadline.
+void wait_for_master(const LaunchInfo& info, Clock::time_point deadline, JoinProgress& progress) {
+  for (;;) {
+    try {
+      detail::connect_tcp(info.master_addr, static_cast<uint16_t>(info.master_port),
+                          std::min(deadline, progress.next()));
+      return;  // the probe closes; the store connects for real
+    } catch (const std::exception& e) {
+      if (Clock::now() >= deadline)
+        throw TimeoutError(ErrorContext{-1, -1, "tcp_store.connect", -1}, e.what());
+    }
+    progress.say("the master (rank 0's store)");
+  }
+}
+
 std::shared_ptr<Store> make_launch_store(const LaunchInfo& info,
                                          std::chrono::milliseconds timeout) {
   if (info.rdzv_backend == RendezvousBackend::kEtcd) {
@@ -182,11 +270,16 @@ std::shared_ptr<Store> make_launch_store(const LaunchInfo& info,
 
 }  // namespace
 
-std::shared_ptr<Store> connect_store(const LaunchInfo& info, std::chrono::milliseconds timeout) {
+std::shared_ptr<Store> connect_store(const LaunchInfo& info,
+                                     std::optional<milliseconds> program_timeout) {
   info.validate();
+  const milliseconds timeout =
+      info.join_timeout.value_or(program_timeout.value_or(kDefaultJoinTimeout));
   const bool etcd = info.rdzv_backend == RendezvousBackend::kEtcd;
+  JoinProgress progress(info, timeout);
   std::shared_ptr<Store> store;
   try {
+    if (!etcd && info.rank != 0) wait_for_master(info, Clock::now() + timeout, progress);
     store = make_launch_store(info, timeout);
   } catch (const Error& e) {
     // Name the rank and the master: the store's own message knows neither.
@@ -199,7 +292,7 @@ std::shared_ptr<Store> connect_store(const LaunchInfo& info, std::chrono::millis
     throw CommError(ctx, e.cause());
   }
   try {
-    LaunchCheck(store, info, timeout).run();
+    LaunchCheck(store, info, timeout, progress).run();
   } catch (const InvalidArgument&) {
     throw;
   } catch (const Error& e) {

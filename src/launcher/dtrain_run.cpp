@@ -76,15 +76,23 @@ ABSL_FLAG(std::string, rdzv_endpoint, "",
 ABSL_FLAG(std::string, blas_kernel, "auto",
           "auto: when OpenBLAS would run its generic kernels, or an older family than this CPU "
           "supports (e.g. Haswell on an AVX-512 CPU), start the ranks with OPENBLAS_CORETYPE set "
-          "to the CPU's best family (SkylakeX, Haswell, ...) and say so on stderr. OpenBLAS reads "
-          "it only when it loads, so only a launcher can choose it. An OPENBLAS_CORETYPE already "
-          "set is always kept. keep: leave the BLAS as it loads.");
+          "to the CPU's best family (SkylakeX, Haswell, ...); --verbose says so on stderr. "
+          "OpenBLAS reads it only when it loads, so only a launcher can choose it. An "
+          "OPENBLAS_CORETYPE already set is always kept (with a warning when the CPU supports "
+          "a better family). keep: leave the BLAS as it loads.");
 ABSL_FLAG(std::string, blas_library, "libblas.so.3",
           "the BLAS the ranks load, probed for --blas_kernel auto (Debian's LibTorch links "
           "libblas.so.3)");
 ABSL_FLAG(bool, blas_info, false,
           "print the BLAS, its kernel, the CPU (and whether it computes bf16 natively: "
           "cpu_bf16_native) and what the ranks would get; exit");
+ABSL_FLAG(bool, verbose, false,
+          "print what the launcher decides for the ranks (the BLAS kernel --blas_kernel auto "
+          "chose) on stderr before starting them");
+ABSL_FLAG(double, join_timeout_s, 0,
+          "how long each rank waits for the master and for every other rank before failing "
+          "(the ranks get DTRAIN_JOIN_TIMEOUT; they print a line while they wait). 0: as "
+          "inherited from this environment, else the program's own (dtrain's default 300 s)");
 ABSL_FLAG(bool, help, false, "print this text; exit (also -h)");
 
 namespace {
@@ -173,6 +181,7 @@ struct BlasOptions {
   dtrain::BlasKernelPolicy policy = dtrain::BlasKernelPolicy::kAuto;
   std::string library;
   bool info_only = false;
+  bool verbose = false;  // say which kernel the ranks get (a warning is said regardless)
 };
 
 // The options before the program; nullopt for -h/--help.
@@ -222,6 +231,7 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
       kernel == "auto" ? dtrain::BlasKernelPolicy::kAuto : dtrain::BlasKernelPolicy::kKeep;
   blas.library = absl::GetFlag(FLAGS_blas_library);
   blas.info_only = absl::GetFlag(FLAGS_blas_info);
+  blas.verbose = absl::GetFlag(FLAGS_verbose);
   if (blas.info_only) return o;
   if (o.argv.empty()) throw std::invalid_argument("no program given");
   if ((o.nnodes > 1 || elastic.max_nodes > 0) && o.master_port == 0) {
@@ -229,6 +239,11 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   }
   // Elastic agents must agree on the id too: count them as MAX nodes.
   o.environment = rendezvous_environment(std::max(o.nnodes, elastic.max_nodes));
+  const double join_timeout_s = absl::GetFlag(FLAGS_join_timeout_s);
+  if (!(join_timeout_s >= 0) || join_timeout_s > 7 * 24 * 3600.0)
+    throw std::invalid_argument(
+        fmt::format("--join_timeout_s={} must be in [0, 604800] seconds", join_timeout_s));
+  if (join_timeout_s > 0) o.environment["DTRAIN_JOIN_TIMEOUT"] = fmt::format("{:g}", join_timeout_s);
   if (elastic.max_nodes == 0) {
     dtrain::launcher::validate(o);
     return o;
@@ -315,8 +330,9 @@ int main(int argc, char** argv) {
     print_blas_info(blas, info, cpu, plan);
     return 0;
   }
-  // Said whenever the ranks' kernel is not OpenBLAS's own pick, or could be better.
-  if (plan.action == dtrain::BlasKernelPlan::Action::kSelect ||
+  // A choice is said on request (programs such as gpt2_train record the kernel they run with);
+  // a user's OPENBLAS_CORETYPE that leaves a better kernel unused is said always.
+  if ((blas.verbose && plan.action == dtrain::BlasKernelPlan::Action::kSelect) ||
       (plan.action == dtrain::BlasKernelPlan::Action::kUserSet && !plan.missed_kernel.empty())) {
     fmt::print(stderr, "dtrain-run: blas: {}\n", plan.note);
   }

@@ -106,6 +106,20 @@ std::string from_env_error(const Env& env) {
   return "no error";
 }
 
+TEST(LaunchInfo, JoinTimeoutFromTheEnvironment) {
+  EXPECT_FALSE(LaunchInfo::from_env(Env{}).join_timeout.has_value());
+  EXPECT_FALSE(LaunchInfo::from_env(Env{{"DTRAIN_JOIN_TIMEOUT", ""}}).join_timeout.has_value());
+  EXPECT_EQ(LaunchInfo::from_env(Env{{"DTRAIN_JOIN_TIMEOUT", "60"}}).join_timeout,
+            std::chrono::milliseconds(60000));
+  EXPECT_EQ(LaunchInfo::from_env(Env{{"DTRAIN_JOIN_TIMEOUT", "2.5"}}).join_timeout,
+            std::chrono::milliseconds(2500));
+  for (const char* bad : {"abc", "0", "-5", "10s", "1e9", "nan"}) {
+    const std::string m = from_env_error({{"DTRAIN_JOIN_TIMEOUT", bad}});
+    EXPECT_NE(m.find(fmt::format("DTRAIN_JOIN_TIMEOUT='{}'", bad)), std::string::npos) << m;
+    EXPECT_NE(m.find("seconds"), std::string::npos) << m;
+  }
+}
+
 // The device contract (LaunchInfo::cuda_device): the environment and the device count are
 // injected, so every case runs without a GPU.
 LaunchInfo launch_on_host(int local_rank, int local_world, std::optional<std::string> visible) {
@@ -566,6 +580,51 @@ TEST(MultiProcess, UnreachableMasterTimesOutNamingIt) {
   EXPECT_NE(res.output.find("rank 1/2"), std::string::npos) << res.output;
   EXPECT_NE(res.output.find("unreachable"), std::string::npos) << res.output;
   EXPECT_LT(s, 2 * 1.5 + startup_slack_s()) << res.output;
+}
+
+// A wrong MASTER_PORT (nothing serves it): DTRAIN_JOIN_TIMEOUT bounds the wait whatever the
+// program's timeout (60 s here), and the rank says what it waits for while it waits.
+TEST(MultiProcess, JoinTimeoutFromEnvironmentAndProgressLinesWhileWaitingForTheMaster) {
+  const int port = testing::free_port();
+  auto env = testing::rank_env(1, 2, port);
+  env["DTRAIN_JOIN_TIMEOUT"] = "3.5";
+  auto start = std::chrono::steady_clock::now();
+  auto p = testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", "60000"}, env);
+  auto res = testing::wait_process(p, 60);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(res.exit_code, 4) << res.output;  // TimeoutError
+  EXPECT_LT(s, 3.5 + startup_slack_s()) << res.output;
+  EXPECT_NE(res.output.find("unreachable"), std::string::npos) << res.output;
+  const std::string line = fmt::format(
+      "dtrain: rank 1 of 2 waiting for the master (rank 0's store) at 127.0.0.1:{}, 1 s of 3.5 s",
+      port);
+  EXPECT_NE(res.output.find(line), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("DTRAIN_JOIN_TIMEOUT"), std::string::npos) << res.output;
+}
+
+// A rank that never starts: rank 0 names it while waiting and in the timeout's message.
+TEST(MultiProcess, JoinProgressLinesNameTheRanksThatNeverStarted) {
+  const int port = testing::free_port();
+  auto env = testing::rank_env(0, 3, port);
+  env["DTRAIN_JOIN_TIMEOUT"] = "3";
+  std::vector<testing::Process> ps;
+  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", "60000"}, env));
+  auto env1 = testing::rank_env(1, 3, port);
+  env1["DTRAIN_JOIN_TIMEOUT"] = "3";
+  ps.push_back(testing::spawn_process({DTRAIN_TEST_WORKER, "collectives", "60000"}, env1));
+  auto start = std::chrono::steady_clock::now();
+  auto res = testing::wait_process(ps[0], 60);
+  testing::wait_process(ps[1], 60);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(res.exit_code, 4) << res.output;
+  EXPECT_LT(s, 3 + startup_slack_s()) << res.output;
+  EXPECT_NE(res.output.find(fmt::format("dtrain: rank 0 of 3 waiting for 1 of 3 ranks (rank 2 not "
+                                        "started or not reaching the store) at 127.0.0.1:{}",
+                                        port)),
+            std::string::npos)
+      << res.output;
+  EXPECT_NE(res.output.find("only 2 of 3 ranks joined"), std::string::npos) << res.output;
+  EXPECT_NE(res.output.find("(rank 2 not started"), std::string::npos) << res.output;
 }
 
 TEST(MultiProcess, RankThatNeverStartsMakesOthersTimeOut) {

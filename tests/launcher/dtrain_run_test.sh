@@ -231,6 +231,12 @@ if [ -n "$fake_blas" ]; then
       [ "$got" = "$best replaced:Prescott" ] ||
         fail "rank $r: OPENBLAS_CORETYPE DTRAIN_BLAS_CHOICE = '$got', want '$best replaced:Prescott'"
     done
+    # Said only with --verbose (#44: no banner on every launch); the ranks get it either way.
+    if grep -q "OPENBLAS_CORETYPE" "$tmp/err"; then
+      fail "dtrain-run printed its BLAS choice without --verbose: $(cat "$tmp/err")"
+    fi
+    clean "$run" --verbose --nproc_per_node 1 --blas_library "$fake_blas" -- true 2>"$tmp/err" ||
+      fail "--verbose run failed"
     expect_stderr "selecting OPENBLAS_CORETYPE=$best"
     # b. A kernel that already fits the CPU: nothing added.
     expect_status 0 clean FAKE_OPENBLAS_KERNEL="$best" "$run" --nproc_per_node 2 \
@@ -250,6 +256,15 @@ if [ -n "$fake_blas" ]; then
     'test -z "${OPENBLAS_CORETYPE+set}" && test "$DTRAIN_BLAS_CHOICE" = keep'
   expect_status 2 "$run" --blas_kernel fastest -- true
 fi
+
+# 15b. --join_timeout_s: the ranks get DTRAIN_JOIN_TIMEOUT; 0 (the default) passes on what
+#      this environment has; a negative or absurd value is a usage error.
+expect_status 0 "$run" --nproc_per_node 2 --join_timeout_s 2.5 -- sh -c \
+  'test "$DTRAIN_JOIN_TIMEOUT" = 2.5'
+expect_status 0 env DTRAIN_JOIN_TIMEOUT=7 "$run" --nproc_per_node 1 -- sh -c \
+  'test "$DTRAIN_JOIN_TIMEOUT" = 7'
+expect_status 2 "$run" --join_timeout_s -1 -- true
+expect_stderr "--join_timeout_s=-1 must be in"
 
 # 16. --blas_info says whether the CPU computes bf16 natively (run-comparison.sh reads it);
 #     DTRAIN_HIDE_NATIVE_BF16=1 makes it false on any CPU; a bad value is a usage error.
