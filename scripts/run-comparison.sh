@@ -117,7 +117,10 @@ fi
 
 if [ "$dry_run" != 1 ]; then
   "$root/scripts/install-deps.sh"
-  DTRAIN_BUILD_DIR="$build" "$root/scripts/build.sh" "$@"
+  # Only what the runs use (the tests' command, scripts/test.sh, builds the rest in the same
+  # build directory with the same flags).
+  DTRAIN_BUILD_DIR="$build" DTRAIN_TARGETS="gpt2_train dtrain-run dtrain-supervise" \
+    "$root/scripts/build.sh" "$@"
   "$root/scripts/fetch-data.sh"
 else
   if [ ! -x "$build/src/launcher/dtrain-run" ]; then
