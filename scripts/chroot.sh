@@ -71,6 +71,8 @@ common_pkgs=(
   # The multi-host test joins two network namespaces with a veth pair.
   iproute2
   python3
+  # examples/cnn: Fashion-MNIST's gzip-compressed IDX files, read with zlib.
+  zlib1g-dev dataset-fashion-mnist
 )
 suite=trixie
 debootstrap_script=""

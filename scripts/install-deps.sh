@@ -13,6 +13,8 @@ PKGS=(
   # starts one BLAS thread per core in every process).
   libopenblas0-openmp
   gnuplot-nox
+  # examples/cnn: Fashion-MNIST's gzip-compressed IDX files, read with zlib.
+  zlib1g-dev dataset-fashion-mnist
   # scripts/fuzz.sh and scripts/sanitize.sh: clang with libFuzzer and the sanitizer runtimes.
   clang libclang-rt-14-dev
   # scripts/format.sh (and its check in .ci/run): the repository's .clang-format, clang-format 14.
