@@ -29,21 +29,11 @@ std::vector<int64_t> reduced_dims(const at::Tensor& x) {
   return dims;
 }
 
-// [1, C, 1, ...]: a per-channel vector broadcast against x.
-std::vector<int64_t> channel_shape(const at::Tensor& x) {
-  std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
-  shape[1] = x.size(1);
-  return shape;
-}
-
-at::Tensor per_channel(const at::Tensor& v, const at::Tensor& x) {
-  return v.to(x.scalar_type()).view(channel_shape(x));
-}
-
 // What backward needs besides the saved input and weight.
 struct Saved : torch::CustomClassHolder {
   CommunicatorPtr comm;
-  at::Tensor mean, invstd;  // float64, [C]
+  at::Tensor mean, var;  // the global batch's, float64, [C]
+  double eps = 0;
   int64_t count = 0;
   // Without affine, weight and bias are empty placeholders: a custom function's inputs must
   // be defined tensors in LibTorch 1.13.
@@ -51,16 +41,27 @@ struct Saved : torch::CustomClassHolder {
   c10::ScalarType bias_dtype = at::kFloat;
 };
 
+// (x - mean) / sqrt(var + eps) * weight + bias per channel, by BatchNorm's own evaluation
+// kernel (one fused pass over x, any memory format): the statistics are given, not computed.
+at::Tensor normalize(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                     const Saved& saved) {
+  const auto dtype = x.scalar_type();
+  return std::get<0>(at::native_batch_norm(x, weight, bias, saved.mean.to(dtype),
+                                           saved.var.to(dtype), /*training=*/false,
+                                           /*momentum=*/0.0, saved.eps));
+}
+
+// The kernels are BatchNorm's (the profile of #44 item 10: composite expressions cost several
+// passes and temporaries per call): forward is one evaluation-mode pass with the global
+// statistics; backward is one evaluation-mode backward (the per-channel sums and dy * scale),
+// one all-reduce, and one more evaluation-mode pass for the global-mean terms.
 struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const at::Tensor& bias, c10::intrusive_ptr<Saved> saved) {
     const at::Tensor x = input.to(compute_dtype(input));
-    // y = x * scale + shift, per channel, with scale = invstd * weight and shift = bias -
-    // mean * scale: one pass over the input.
-    at::Tensor scale = saved->affine ? saved->invstd * weight.to(at::kDouble) : saved->invstd;
-    at::Tensor shift = -saved->mean * scale;
-    if (saved->affine) shift = shift + bias.to(at::kDouble);
-    at::Tensor y = at::addcmul(per_channel(shift, x), x, per_channel(scale, x));
+    const auto dtype = x.scalar_type();
+    at::Tensor y = saved->affine ? normalize(x, weight.to(dtype), bias.to(dtype), *saved)
+                                 : normalize(x, at::Tensor(), at::Tensor(), *saved);
     ctx->save_for_backward({input, weight});
     saved->bias_dtype = bias.scalar_type();
     ctx->saved_data["saved"] = c10::IValue::make_capsule(std::move(saved));
@@ -75,27 +76,30 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
     const auto* saved = static_cast<const Saved*>(holder.get());
 
     const at::Tensor x = input.to(compute_dtype(input));
-    const at::Tensor g = grads[0].to(x.scalar_type());
-    const std::vector<int64_t> dims = reduced_dims(x);
-    const at::Tensor xhat = (x - per_channel(saved->mean, x)) * per_channel(saved->invstd, x);
-    const at::Tensor sum_dy = g.sum(dims);
-    const at::Tensor sum_dy_xhat = (g * xhat).sum(dims);
+    const auto dtype = x.scalar_type();
+    const at::Tensor g = grads[0].to(dtype);
+    const int64_t c = x.size(1);
+    const at::Tensor w = saved->affine ? weight.to(dtype) : at::ones({c}, x.options());
+    const bool input_grad = ctx->needs_input_grad(0);
+    // In evaluation mode: dy * weight * invstd, sum(dy * xhat) and sum(dy), over this rank.
+    auto [dy_scaled, sum_dy_xhat, sum_dy] = at::native_batch_norm_backward(
+        g, x, w, saved->mean.to(dtype), saved->var.to(dtype), at::Tensor(), at::Tensor(),
+        /*train=*/false, saved->eps, {input_grad, true, true});
 
     at::Tensor grad_input, grad_weight, grad_bias;
-    if (ctx->needs_input_grad(0)) {
+    if (input_grad) {
       // dx = scale * (dy - mean(dy) - xhat * mean(dy * xhat)), means over the global batch.
-      const int64_t c = x.size(1);
       const at::Tensor total =
           ControlPlane(*saved->comm)
               .all_reduce(at::cat({sum_dy, sum_dy_xhat}).to(at::kDouble), ReduceOp::kSum)
               .to(input.device());
       const double n = static_cast<double>(saved->count);
-      const at::Tensor scale =
-          saved->affine ? saved->invstd * weight.to(at::kDouble) : saved->invstd;
+      const at::Tensor scale = (saved->var + saved->eps).rsqrt() * w.to(at::kDouble);
       const at::Tensor mean_dy = total.narrow(0, 0, c) / n;
       const at::Tensor mean_dy_xhat = total.narrow(0, c, c) / n;
-      grad_input = g * per_channel(scale, x) - xhat * per_channel(scale * mean_dy_xhat, x) -
-                   per_channel(scale * mean_dy, x);
+      // - xhat * scale * mean(dy * xhat) - scale * mean(dy): an affine map of xhat.
+      grad_input = dy_scaled.add_(normalize(x, (-scale * mean_dy_xhat).to(dtype),
+                                            (-scale * mean_dy).to(dtype), *saved));
       grad_input = grad_input.to(input.scalar_type());
     }
     if (ctx->needs_input_grad(1)) grad_weight = sum_dy_xhat.to(weight.scalar_type());
@@ -117,12 +121,12 @@ GlobalBatchStats reduce_batch_stats(const at::Tensor& input, Communicator& comm)
   at::Tensor local = at::zeros({2 * c + 1}, x.options().dtype(at::kDouble));
   local.narrow(0, 0, 1).fill_(static_cast<double>(n));
   if (n > 0) {
-    const std::vector<int64_t> dims = reduced_dims(x);
-    const at::Tensor mean = x.mean(dims);
-    const at::Tensor m2 = (x - mean.view(channel_shape(x))).square().sum(dims);
+    // One pass (Welford) for this rank's mean and biased variance: M2 = var * n.
+    const auto [var, mean] = at::var_mean(x, reduced_dims(x), /*unbiased=*/false);
     const at::Tensor mean64 = mean.to(at::kDouble);
-    local.narrow(0, 1, c).copy_(mean64 * static_cast<double>(n));
-    local.narrow(0, 1 + c, c).copy_(m2.to(at::kDouble) + mean64.square() * static_cast<double>(n));
+    const double rows = static_cast<double>(n);
+    local.narrow(0, 1, c).copy_(mean64 * rows);
+    local.narrow(0, 1 + c, c).copy_(var.to(at::kDouble) * rows + mean64.square() * rows);
   }
   const at::Tensor total = ControlPlane(comm).all_reduce(local, ReduceOp::kSum).to(input.device());
   GlobalBatchStats stats;
@@ -141,7 +145,8 @@ at::Tensor sync_batch_norm(const at::Tensor& input, const at::Tensor& weight,
   auto saved = c10::make_intrusive<Saved>();
   saved->comm = std::move(comm);
   saved->mean = stats.mean;
-  saved->invstd = (stats.var + eps).rsqrt();
+  saved->var = stats.var;
+  saved->eps = eps;
   saved->count = stats.count;
   saved->affine = weight.defined() && bias.defined();
   if (!saved->affine) {
