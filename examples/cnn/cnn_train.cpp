@@ -31,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -59,7 +60,7 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "save a checkpoint there after every epoch, and resume from its newest one");
 ABSL_FLAG(std::string, metrics_out, "",
           "append one JSON line per epoch: epoch, train_loss, test_accuracy, epoch_s, "
-          "images_per_s (rank 0)");
+          "images_per_s, step_ms_median (the median step's wall time; rank 0)");
 ABSL_FLAG(int, threads, 0, "intra-op threads per rank (0: the cores divided by the local ranks)");
 
 namespace {
@@ -181,7 +182,9 @@ int run() {
         static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)) * 1000003u + static_cast<uint64_t>(epoch));
     const at::Tensor order = at::randperm(train.x.size(0), gen, at::TensorOptions(at::kLong));
     double loss_sum = 0;
+    std::vector<double> step_ms;  // each step's wall time, for a median robust to warm-up
     for (int64_t step = 0; step < steps_per_epoch; ++step) {
+      const auto step_start = std::chrono::steady_clock::now();
       const at::Tensor rows =
           order.narrow(0, step * global_batch + comm->rank() * local_batch, local_batch);
       const at::Tensor x = train.x.index_select(0, rows);
@@ -192,6 +195,9 @@ int run() {
       strategy->backward(loss);
       opt.step();
       const double global = global_mean(comm, loss);
+      step_ms.push_back(std::chrono::duration<double, std::milli>(
+                            std::chrono::steady_clock::now() - step_start)
+                            .count());
       loss_sum += global;
       const int64_t global_step = epoch * steps_per_epoch + step;
       if (log_every > 0 && global_step % log_every == 0 && comm->rank() == 0)
@@ -203,17 +209,22 @@ int run() {
     const double train_loss = loss_sum / static_cast<double>(steps_per_epoch);
     const double images_per_s =
         static_cast<double>(steps_per_epoch * global_batch) / std::max(epoch_s, 1e-9);
+    std::nth_element(step_ms.begin(), step_ms.begin() + static_cast<std::ptrdiff_t>(step_ms.size() / 2),
+                     step_ms.end());
+    const double step_ms_median = step_ms[step_ms.size() / 2];
     if (comm->rank() == 0) {
-      fmt::print("epoch {} train_loss {:.6f} test_accuracy {:.4f} epoch_s {:.2f} images/s {:.1f}\n",
-                 epoch, train_loss, accuracy, epoch_s, images_per_s);
+      fmt::print(
+          "epoch {} train_loss {:.6f} test_accuracy {:.4f} epoch_s {:.2f} images/s {:.1f} "
+          "step_ms_median {:.3f}\n",
+          epoch, train_loss, accuracy, epoch_s, images_per_s, step_ms_median);
       if (!metrics_out.empty()) {
         std::ofstream out(metrics_out, std::ios::app);
         out << fmt::format(
             "{{\"strategy\":\"{}\",\"sync_bn\":{},\"world_size\":{},\"epoch\":{},"
             "\"train_loss\":{:.8f},\"test_accuracy\":{:.6f},\"epoch_s\":{:.4f},"
-            "\"images_per_s\":{:.3f}}}\n",
+            "\"images_per_s\":{:.3f},\"step_ms_median\":{:.4f}}}\n",
             strategy->name(), absl::GetFlag(FLAGS_sync_bn), comm->world_size(), epoch,
-            train_loss, accuracy, epoch_s, images_per_s);
+            train_loss, accuracy, epoch_s, images_per_s, step_ms_median);
         if (!out) throw std::runtime_error(fmt::format("cannot write {}", metrics_out));
       }
     }
