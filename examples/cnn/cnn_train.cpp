@@ -115,7 +115,7 @@ double test_accuracy(dtrain::Strategy& strategy, torch::nn::SequentialImpl& mode
   const int64_t n = test.x.size(0);
   const at::Tensor mine =
       at::arange(comm->rank(), n, comm->world_size(), at::TensorOptions(at::kLong));
-  at::Tensor counts = at::zeros({2}, at::kDouble);  // correct, seen
+  double correct = 0, seen = 0;
   const int64_t batch = 500;
   // Every rank runs the same number of forwards (FSDP's gathers are collective): enough for
   // the rank with the most rows; the others' last batch may be empty.
@@ -126,9 +126,10 @@ double test_accuracy(dtrain::Strategy& strategy, torch::nn::SequentialImpl& mode
     const at::Tensor rows = mine.narrow(0, from, std::min<int64_t>(batch, mine.size(0) - from));
     const at::Tensor x = test.x.index_select(0, rows);
     const at::Tensor logits = strategy.forward([&] { return model.forward(x); });
-    counts[0] += logits.argmax(1).eq(test.y.index_select(0, rows)).sum().to(at::kDouble);
-    counts[1] += static_cast<double>(rows.size(0));
+    correct += logits.argmax(1).eq(test.y.index_select(0, rows)).sum().item<double>();
+    seen += static_cast<double>(rows.size(0));
   }
+  at::Tensor counts = at::tensor({correct, seen}, at::TensorOptions(at::kDouble));
   if (comm->world_size() > 1) comm->all_reduce(counts)->wait();
   model.train();
   return counts[0].item<double>() / std::max(1.0, counts[1].item<double>());
