@@ -77,14 +77,21 @@ write_config() {
   for n in "${nodes[@]}"; do mkdir -p "$run_dir/$n/spool"; done
   # Why each setting (docs/multinode.md has the long version):
   # - SlurmUser/SlurmdUser root: no slurm account needed; jobs run as the submitting root.
-  # - AuthInfo socket: our own munged, not /run/munge of the system.
+  # - AuthInfo socket: our own munged, not /run/munge of the system; cred_expire 10 s (default
+  #   120): a requeued job is held that long plus 1 s before it may start again.
   # - proctrack/linuxproc, task/none, jobacct_gather/none: no systemd and no cgroup
   #   hierarchy to delegate here (proctrack/cgroup needs one); linuxproc finds a step's
   #   processes through /proc parentage, enough to signal and kill them.
   # - %n in the slurmd paths: two slurmd on one file system need their own spool and pid.
   # - NodeAddr: the namespace's address; slurmctld and srun reach the slurmd there.
   # - CR_CPU: 2 tasks on a node of 2 CPUs without a core/socket layout to match.
-  # - KillWait 5 s: SIGTERM to SIGKILL at the end of a job or step (default 30 s).
+  # - MinJobAge 4 s: `sbatch --wait` polls every 2 s only while 2 s < MinJobAge / 2, else
+  #   every 8, then 32 s (a 12 s job took 42 s to report); finished jobs leave squeue and
+  #   `scontrol show job` 4 s after they end (there is no accounting database).
+  # - sched_interval 2 s: a requeued job starts when its hold ends, not up to 60 s later.
+  # - KillWait 10 s: SIGTERM to SIGKILL when a job or step is ended (default 30 s).
+  # - Two partitions on the same nodes: a job in "urgent" preempts jobs of "debug" (the
+  #   default): SIGTERM to their processes, SIGKILL KillWait later, then they are requeued.
   cat >"$conf" <<EOF
 ClusterName=dtrain
 SlurmctldHost=${nodes[0]}(${addrs[0]})
@@ -92,7 +99,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$munge_socket
+AuthInfo=socket=$munge_socket,cred_expire=10
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=$run_dir/ctld
@@ -112,11 +119,15 @@ SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
 ReturnToService=2
 JobRequeue=1
-KillWait=5
-MinJobAge=600
+KillWait=10
+MinJobAge=4
+SchedulerParameters=sched_interval=2
 NodeName=${nodes[0]} NodeAddr=${addrs[0]} CPUs=2 State=UNKNOWN
 NodeName=${nodes[1]} NodeAddr=${addrs[1]} CPUs=2 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
   printf '127.0.0.1 localhost\n%s %s\n%s %s\n' "${addrs[0]}" "${nodes[0]}" \
     "${addrs[1]}" "${nodes[1]}" >"$run_dir/etc/hosts"
@@ -143,7 +154,7 @@ healthy() {
   pid_alive "$run_dir/munge/munged.pid" && pid_alive "$run_dir/ctld/slurmctld.pid" || return 1
   for n in "${nodes[@]}"; do pid_alive "$run_dir/$n/slurmd.pid" || return 1; done
   local states
-  states=$(on "${nodes[0]}" sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
+  states=$(on "${nodes[0]}" sinfo -h -N -o '%N %t' 2>/dev/null | sort -u) || return 1
   [ "$(echo "$states" | grep -c -E ' (idle|mix|alloc)$')" -eq 2 ]
 }
 
@@ -172,6 +183,7 @@ cmd_up() {
     say "the cluster did not come up within 30 s; logs:"
     tail -n 5 "$run_dir"/ctld/slurmctld.log "$run_dir"/dtnode*/slurmd.log >&2 || true
     on "${nodes[0]}" sinfo -N >&2 || true
+    say "left as it is for a look; '$0 down' removes it"
     return 1
   fi
   say "up: ${nodes[0]}=${addrs[0]} (slurmctld, slurmd) ${nodes[1]}=${addrs[1]} (slurmd)"
