@@ -33,8 +33,9 @@ t_start=$(date +%s)
 # shellcheck source=../../scripts/veth-hosts.sh source-path=SCRIPTDIR
 . "$root/scripts/veth-hosts.sh"
 veth_test_hosts "dm$$" # exits 77 without namespaces; removes them and $tmp at exit
-if ! "$root/scripts/apt-ensure.sh" openmpi-bin >/dev/null; then
-  echo "SKIP: openmpi-bin cannot be installed here"
+if ! apt_out=$("$root/scripts/apt-ensure.sh" openmpi-bin 2>&1); then
+  why=$(echo "$apt_out" | grep -m 1 '^E:' || echo "$apt_out" | tail -n 1)
+  echo "SKIP: openmpi-bin cannot be installed here ($why)"
   exit 77
 fi
 echo "hosts: a=$ns_a $addr_a, b=$ns_b $addr_b"

@@ -37,8 +37,9 @@ if ! ip netns add "dtslurmprobe$$" 2>/dev/null; then
   exit 77
 fi
 ip netns del "dtslurmprobe$$"
-if ! "$root/scripts/apt-ensure.sh" slurm-wlm munge >/dev/null; then
-  echo "SKIP: the Slurm packages (slurm-wlm, munge) cannot be installed here"
+if ! apt_out=$("$root/scripts/apt-ensure.sh" slurm-wlm munge 2>&1); then
+  why=$(echo "$apt_out" | grep -m 1 '^E:' || echo "$apt_out" | tail -n 1)
+  echo "SKIP: the Slurm packages (slurm-wlm, munge) cannot be installed here ($why)"
   exit 77
 fi
 
