@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs dtrain's system dependencies from Debian packages. Idempotent: when
 # everything is present it returns in well under a second without touching apt.
+# Not here, to keep a newcomer's first command lean: Slurm (slurm-wlm, munge) and Open MPI
+# (openmpi-bin), needed only by tests/multinode/slurm_test.sh and mpirun_test.sh, which
+# install them on first use through scripts/apt-ensure.sh (the same apt lock).
 set -euo pipefail
 
 PKGS=(

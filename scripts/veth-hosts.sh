@@ -7,6 +7,8 @@
 #   veth_hosts_down                  # kills what runs there, deletes both (also on EXIT)
 #
 # Needs root (CAP_NET_ADMIN) and ip(8); veth_hosts_up prints why when it cannot.
+# The pair's /24 is 10.213.(pid % 250) unless VETH_NET (e.g. 10.214.0) fixes it: a setup that
+# outlives the script (scripts/slurm-cluster.sh) needs addresses it can write down.
 #
 # A slow link: with VETH_RATE (tc's rate syntax, e.g. 1gbit, 100mbit) and/or VETH_DELAY
 # (e.g. 0.5ms) set, veth_hosts_up also puts tc qdiscs on both ends of the pair (tbf for the
@@ -17,7 +19,7 @@
 veth_hosts_up() {
   ns_a="${1}a"
   ns_b="${1}b"
-  veth_net="10.213.$(($$ % 250))"
+  veth_net="${VETH_NET:-10.213.$(($$ % 250))}"
   addr_a="$veth_net.1"
   addr_b="$veth_net.2"
   if ! command -v ip >/dev/null 2>&1; then

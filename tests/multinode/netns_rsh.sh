@@ -1,0 +1,13 @@
+#!/bin/sh
+# mpirun's remote shell (--mca plm_rsh_agent) for "hosts" that are network namespaces on this
+# machine: instead of ssh HOST CMD..., runs CMD in HOST's namespace. NETNS_RSH_HOSTS maps
+# hosts to namespaces ("10.214.0.2=dtb other=nsc"); mpirun passes its environment here.
+host="$1"
+shift
+for pair in $NETNS_RSH_HOSTS; do
+  if [ "${pair%%=*}" = "$host" ]; then
+    exec ip netns exec "${pair#*=}" sh -c "$*"
+  fi
+done
+echo "netns_rsh.sh: no namespace for host '$host' in NETNS_RSH_HOSTS='$NETNS_RSH_HOSTS'" >&2
+exit 255
