@@ -34,19 +34,6 @@ PKGS=(
   ca-certificates
 )
 
-missing=()
-for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ "${#missing[@]}" -eq 0 ]; then
-  exit 0
-fi
-
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-echo "install-deps: installing ${missing[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-# One apt at a time on this host: scripts/chroot.sh installs debootstrap through the same
-# lock (.ci/run makes leg 4's root while leg 1 installs), and apt waits for other holders.
-$SUDO flock /var/lock/dtrain-apt.lock sh -c "apt-get -o DPkg::Lock::Timeout=900 update -qq &&
-  apt-get -o DPkg::Lock::Timeout=900 install -y -qq --no-install-recommends ${missing[*]} >/dev/null"
+# Missing packages only, one apt at a time on this host (scripts/apt-ensure.sh: the lock that
+# scripts/chroot.sh's debootstrap install and the tests' own installs share).
+exec "$(dirname "${BASH_SOURCE[0]}")/apt-ensure.sh" "${PKGS[@]}"
