@@ -143,9 +143,10 @@ int run() {
   auto comm = dtrain::init_communicator(info);
   const int global_batch = absl::GetFlag(FLAGS_global_batch);
   if (global_batch < 1 || global_batch % comm->world_size() != 0) {
-    throw std::invalid_argument(fmt::format("--global_batch {} must be a positive multiple of "
-                                            "the {} ranks",
-                                            global_batch, comm->world_size()));
+    throw std::invalid_argument(
+        fmt::format("--global_batch {} must be a positive multiple of "
+                    "the {} ranks",
+                    global_batch, comm->world_size()));
   }
   const std::string dir = absl::GetFlag(FLAGS_data_dir);
   const cnn::Images train = cnn::load_fashion_mnist(dir, "train", absl::GetFlag(FLAGS_train_limit));
@@ -196,9 +197,9 @@ int run() {
       strategy->backward(loss);
       opt.step();
       const double global = global_mean(comm, loss);
-      step_ms.push_back(std::chrono::duration<double, std::milli>(
-                            std::chrono::steady_clock::now() - step_start)
-                            .count());
+      step_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_start)
+              .count());
       loss_sum += global;
       const int64_t global_step = epoch * steps_per_epoch + step;
       if (log_every > 0 && global_step % log_every == 0 && comm->rank() == 0)
@@ -210,7 +211,8 @@ int run() {
     const double train_loss = loss_sum / static_cast<double>(steps_per_epoch);
     const double images_per_s =
         static_cast<double>(steps_per_epoch * global_batch) / std::max(epoch_s, 1e-9);
-    std::nth_element(step_ms.begin(), step_ms.begin() + static_cast<std::ptrdiff_t>(step_ms.size() / 2),
+    std::nth_element(step_ms.begin(),
+                     step_ms.begin() + static_cast<std::ptrdiff_t>(step_ms.size() / 2),
                      step_ms.end());
     const double step_ms_median = step_ms[step_ms.size() / 2];
     if (comm->rank() == 0) {
@@ -224,8 +226,8 @@ int run() {
             "{{\"strategy\":\"{}\",\"sync_bn\":{},\"world_size\":{},\"epoch\":{},"
             "\"train_loss\":{:.8f},\"test_accuracy\":{:.6f},\"epoch_s\":{:.4f},"
             "\"images_per_s\":{:.3f},\"step_ms_median\":{:.4f}}}\n",
-            strategy->name(), absl::GetFlag(FLAGS_sync_bn), comm->world_size(), epoch,
-            train_loss, accuracy, epoch_s, images_per_s, step_ms_median);
+            strategy->name(), absl::GetFlag(FLAGS_sync_bn), comm->world_size(), epoch, train_loss,
+            accuracy, epoch_s, images_per_s, step_ms_median);
         if (!out) throw std::runtime_error(fmt::format("cannot write {}", metrics_out));
       }
     }

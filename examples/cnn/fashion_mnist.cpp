@@ -62,8 +62,8 @@ class GzReader {
 std::vector<uint32_t> read_header(GzReader& in, uint32_t magic, size_t dims) {
   const uint32_t got = in.big_endian_u32("the IDX magic number");
   if (got != magic) {
-    throw std::runtime_error(fmt::format("{}: IDX magic number {:#010x}, expected {:#010x}",
-                                         in.path(), got, magic));
+    throw std::runtime_error(
+        fmt::format("{}: IDX magic number {:#010x}, expected {:#010x}", in.path(), got, magic));
   }
   std::vector<uint32_t> shape;
   for (size_t i = 0; i < dims; ++i) shape.push_back(in.big_endian_u32("the IDX shape"));
@@ -93,8 +93,8 @@ Images load_fashion_mnist(const std::string& dir, const std::string& split, int6
         fmt::format("{}: images of {}x{}, expected 28x28", images.path(), ishape[1], ishape[2]));
   }
   if (ishape[0] != lshape[0]) {
-    throw std::runtime_error(fmt::format("{} holds {} images but {} holds {} labels",
-                                         images.path(), ishape[0], labels.path(), lshape[0]));
+    throw std::runtime_error(fmt::format("{} holds {} images but {} holds {} labels", images.path(),
+                                         ishape[0], labels.path(), lshape[0]));
   }
   const int64_t n = limit > 0 ? std::min<int64_t>(limit, ishape[0]) : int64_t{ishape[0]};
   at::Tensor pixels = at::empty({n, 1, 28, 28}, at::kByte);

@@ -145,8 +145,8 @@ class LaunchCheck {
       }
       // Rank 0 speaks for the job: every rank waiting alike would be one line per process.
       if (info_.rank == 0 && Clock::now() >= progress_.next()) {
-        progress_.say(fmt::format("{} of {} ranks{}", info_.world_size - joined,
-                                  info_.world_size, missing_ranks()));
+        progress_.say(fmt::format("{} of {} ranks{}", info_.world_size - joined, info_.world_size,
+                                  missing_ranks()));
       }
       std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - Clock::now()));
       backoff = std::min(backoff * 2, std::chrono::milliseconds(50));

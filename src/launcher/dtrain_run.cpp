@@ -243,7 +243,8 @@ std::optional<dtrain::launcher::NodeOptions> parse(int argc, char** argv, BlasOp
   if (!(join_timeout_s >= 0) || join_timeout_s > 7 * 24 * 3600.0)
     throw std::invalid_argument(
         fmt::format("--join_timeout_s={} must be in [0, 604800] seconds", join_timeout_s));
-  if (join_timeout_s > 0) o.environment["DTRAIN_JOIN_TIMEOUT"] = fmt::format("{:g}", join_timeout_s);
+  if (join_timeout_s > 0)
+    o.environment["DTRAIN_JOIN_TIMEOUT"] = fmt::format("{:g}", join_timeout_s);
   if (elastic.max_nodes == 0) {
     dtrain::launcher::validate(o);
     return o;

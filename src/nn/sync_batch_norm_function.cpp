@@ -98,8 +98,8 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
       const at::Tensor mean_dy = total.narrow(0, 0, c) / n;
       const at::Tensor mean_dy_xhat = total.narrow(0, c, c) / n;
       // - xhat * scale * mean(dy * xhat) - scale * mean(dy): an affine map of xhat.
-      grad_input = dy_scaled.add_(normalize(x, (-scale * mean_dy_xhat).to(dtype),
-                                            (-scale * mean_dy).to(dtype), *saved));
+      grad_input = dy_scaled.add_(
+          normalize(x, (-scale * mean_dy_xhat).to(dtype), (-scale * mean_dy).to(dtype), *saved));
       grad_input = grad_input.to(input.scalar_type());
     }
     if (ctx->needs_input_grad(1)) grad_weight = sum_dy_xhat.to(weight.scalar_type());
