@@ -67,17 +67,16 @@ namespace {
 
 using ModulePtr = std::shared_ptr<torch::nn::SequentialImpl>;
 
-// conv-BN-ReLU-pool twice, then a linear classifier: 20,906 parameters, 10 classes. The two
-// blocks are Sequential entries, so FSDP can make them units and SyncBatchNorm can replace
-// their BatchNorms.
+// conv-BN-ReLU-pool twice, then a linear classifier: 20,906 parameters, 10 classes, in one
+// flat Sequential (LibTorch's Sequential cannot hold another), so that FSDP can make its
+// entries units and SyncBatchNorm can replace its BatchNorms.
 ModulePtr make_model(int seed) {
   torch::manual_seed(seed);
   namespace nn = torch::nn;
-  auto block = [](int64_t in, int64_t out) {
-    return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 3).padding(1)),
-                          nn::BatchNorm2d(out), nn::ReLU(), nn::MaxPool2d(2));
-  };
-  return nn::Sequential(block(1, 16), block(16, 32), nn::Flatten(), nn::Linear(32 * 7 * 7, 10))
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(1, 16, 3).padding(1)), nn::BatchNorm2d(16),
+                        nn::ReLU(), nn::MaxPool2d(2),
+                        nn::Conv2d(nn::Conv2dOptions(16, 32, 3).padding(1)), nn::BatchNorm2d(32),
+                        nn::ReLU(), nn::MaxPool2d(2), nn::Flatten(), nn::Linear(32 * 7 * 7, 10))
       .ptr();
 }
 
@@ -91,10 +90,9 @@ std::shared_ptr<dtrain::Strategy> make_strategy(const std::string& kind, ModuleP
   if (kind == "ddp") return std::make_shared<dtrain::DataParallel>(model, comm);
   if (kind == "fsdp") {
     dtrain::FsdpOptions o;
-    // The two conv blocks are units; the classifier stays in the root unit.
-    o.wrap_policy = [](const std::string& name, const torch::nn::Module&) {
-      return name == "0" || name == "1";
-    };
+    // The second convolution (4,640 parameters) and the classifier (15,690) are units; the
+    // first convolution and the norms stay in the root unit.
+    o.wrap_policy = dtrain::wrap_by_min_params(1000);
     return std::make_shared<dtrain::FullyShardedDataParallel>(model, comm, o);
   }
   throw std::invalid_argument(fmt::format("--strategy '{}': expected single, ddp or fsdp", kind));

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -60,8 +61,11 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
                             const at::Tensor& bias, c10::intrusive_ptr<Saved> saved) {
     const at::Tensor x = input.to(compute_dtype(input));
     const auto dtype = x.scalar_type();
-    at::Tensor y = saved->affine ? normalize(x, weight.to(dtype), bias.to(dtype), *saved)
-                                 : normalize(x, at::Tensor(), at::Tensor(), *saved);
+    // A rank with no rows still takes part (its statistics count 0); BatchNorm's CPU kernel
+    // divides by the row count, so an empty input is passed by.
+    at::Tensor y = x.numel() == 0  ? x.clone()
+                   : saved->affine ? normalize(x, weight.to(dtype), bias.to(dtype), *saved)
+                                   : normalize(x, at::Tensor(), at::Tensor(), *saved);
     ctx->save_for_backward({input, weight});
     saved->bias_dtype = bias.scalar_type();
     ctx->saved_data["saved"] = c10::IValue::make_capsule(std::move(saved));
@@ -81,10 +85,15 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
     const int64_t c = x.size(1);
     const at::Tensor w = saved->affine ? weight.to(dtype) : at::ones({c}, x.options());
     const bool input_grad = ctx->needs_input_grad(0);
-    // In evaluation mode: dy * weight * invstd, sum(dy * xhat) and sum(dy), over this rank.
-    auto [dy_scaled, sum_dy_xhat, sum_dy] = at::native_batch_norm_backward(
-        g, x, w, saved->mean.to(dtype), saved->var.to(dtype), at::Tensor(), at::Tensor(),
-        /*train=*/false, saved->eps, {input_grad, true, true});
+    // In evaluation mode: dy * weight * invstd, sum(dy * xhat) and sum(dy), over this rank
+    // (none without rows: the kernel divides by the row count).
+    at::Tensor dy_scaled = at::zeros_like(x), sum_dy_xhat = at::zeros({c}, x.options()),
+               sum_dy = at::zeros({c}, x.options());
+    if (x.numel() > 0) {
+      std::tie(dy_scaled, sum_dy_xhat, sum_dy) = at::native_batch_norm_backward(
+          g, x, w, saved->mean.to(dtype), saved->var.to(dtype), at::Tensor(), at::Tensor(),
+          /*train=*/false, saved->eps, {input_grad, true, true});
+    }
 
     at::Tensor grad_input, grad_weight, grad_bias;
     if (input_grad) {
@@ -98,8 +107,11 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
       const at::Tensor mean_dy = total.narrow(0, 0, c) / n;
       const at::Tensor mean_dy_xhat = total.narrow(0, c, c) / n;
       // - xhat * scale * mean(dy * xhat) - scale * mean(dy): an affine map of xhat.
-      grad_input = dy_scaled.add_(
-          normalize(x, (-scale * mean_dy_xhat).to(dtype), (-scale * mean_dy).to(dtype), *saved));
+      if (x.numel() > 0) {
+        dy_scaled.add_(
+            normalize(x, (-scale * mean_dy_xhat).to(dtype), (-scale * mean_dy).to(dtype), *saved));
+      }
+      grad_input = dy_scaled;
       grad_input = grad_input.to(input.scalar_type());
     }
     if (ctx->needs_input_grad(1)) grad_weight = sum_dy_xhat.to(weight.scalar_type());

@@ -2,8 +2,10 @@
 # The CNN example end to end (ctest cnn.compare_and_resume), on 1,024 training images (2
 # epochs of 16 steps, global batch 64) and 1,000 test images:
 #   1. DDP x2 and FSDP x2 with --sync_bn train like one device with BatchNorm on the global
-#      batch: every step's global loss within 1e-4 relative (fp32; the ranks' partial sums
-#      are added in another order);
+#      batch: the first 4 steps' global losses within 1e-6 relative (fp32, the ranks' partial
+#      sums added in another order; measured <= 1.2e-7, while plain BatchNorm, each rank
+#      normalising by its own rows, is 2e-3 off at step 0), and all 32 within 2e-3 (AdamW's
+#      normalised early updates amplify round-off: measured worst 6.5e-4);
 #   2. every run learns: test accuracy above 0.5 (chance is 0.1);
 #   3. FSDP x2 stopped after epoch 1 and resumed from its checkpoint ends exactly (every
 #      loss digit, the accuracy) where the uninterrupted run does.
@@ -34,7 +36,8 @@ for s in ddp fsdp; do
   losses "$tmp/$s.log" >"$tmp/$s.loss"
   paste "$tmp/single.loss" "$tmp/$s.loss" | awk -v s="$s" '
     { d = $2 - $4; if (d < 0) d = -d; r = d / ($2 > 0 ? $2 : 1); if (r > worst) worst = r
-      if (r > 1e-4) { printf "%s step %d: loss %s, single %s (%.2g relative)\n", s, $1, $4, $2, r; bad = 1 } }
+      bound = $1 < 4 ? 1e-6 : 2e-3
+      if (r > bound) { printf "%s step %d: loss %s, single %s (%.2g relative, bound %g)\n", s, $1, $4, $2, r, bound; bad = 1 } }
     END { printf "%s x2 vs single: %d steps, worst relative difference %.3g\n", s, NR, worst
           if (NR != 32) { print s ": " NR " steps compared, not 32"; bad = 1 }
           exit bad }' || fail "$s x2 with SyncBatchNorm does not train like one device"
@@ -52,7 +55,7 @@ done
   --checkpoint_dir "$tmp/ckpt" >"$tmp/first.log" 2>&1 || fail "epoch 1 failed: $(cat "$tmp/first.log")"
 "$run" --nproc_per_node 2 -- "$train" --strategy fsdp --sync_bn "${common[@]}" --epochs 2 \
   --checkpoint_dir "$tmp/ckpt" >"$tmp/resumed.log" 2>&1 || fail "resume failed: $(cat "$tmp/resumed.log")"
-grep -q "^resumed from .*step_16 (epoch 1)" "$tmp/resumed.log" ||
+grep -q "^resumed from .*step_0*16 (epoch 1)" "$tmp/resumed.log" ||
   fail "the second run did not resume from epoch 1: $(cat "$tmp/resumed.log")"
 diff <(grep -E '^(step (1[6-9]|2[0-9]|3[01]) |final )' "$tmp/fsdp.log") \
   <(grep -E '^(step |final )' "$tmp/resumed.log") >"$tmp/diff" ||
