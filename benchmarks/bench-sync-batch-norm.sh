@@ -9,7 +9,8 @@
 # ratios of this run, with the CPU and the BLAS kernel, into ${OUT:-report/bench}/sync-batch-norm.json.
 # PEER_TORCH=forky also runs the same model in PyTorch 2.14 inside scripts/chroot.sh's forky
 # root (benchmarks/cnn_pytorch.py: BatchNorm2d at 1 and 2 ranks, SyncBatchNorm at 1 rank, where
-# it is BatchNorm; at 2 ranks PyTorch refuses SyncBatchNorm on CPU tensors, which is recorded).
+# it is BatchNorm; at 2 ranks PyTorch refuses SyncBatchNorm on CPU tensors, which is recorded;
+# USE_LIBUV=0: Debian's PyTorch has no libuv for its TCP store).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${DTRAIN_BUILD_DIR:-$root/build}"
@@ -55,7 +56,7 @@ if [ "${PEER_TORCH:-}" = forky ]; then
       port=$((29600 + RANDOM % 1000))
       line=$("$root/scripts/chroot.sh" run forky "
         for rank in \$(seq 0 $((nproc - 1))); do
-          RANK=\$rank WORLD_SIZE=$nproc MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+          USE_LIBUV=0 RANK=\$rank WORLD_SIZE=$nproc MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
             python3 benchmarks/cnn_pytorch.py $* >/tmp/cnn_py.\$rank 2>&1 &
         done
         wait || true
@@ -72,6 +73,12 @@ raw, dest, cpu, blas, repeats = sys.argv[1:]
 runs, errors, torch_version = {}, {}, None
 for line in open(raw):
     name, _, rest = line.strip().partition(" ")
+    if not rest.startswith("{"):
+        try:
+            float(rest)
+        except ValueError:  # a failed PyTorch run: its last line
+            errors[name] = rest
+            continue
     if rest.startswith("{"):
         d = json.loads(rest)
         torch_version = d.get("torch", torch_version)

@@ -67,7 +67,7 @@ namespace {
 
 using ModulePtr = std::shared_ptr<torch::nn::SequentialImpl>;
 
-// conv-BN-ReLU-pool twice, then a linear classifier: 20,906 parameters, 10 classes, in one
+// conv-BN-ReLU-pool twice, then a linear classifier: 20,586 parameters, 10 classes, in one
 // flat Sequential (LibTorch's Sequential cannot hold another), so that FSDP can make its
 // entries units and SyncBatchNorm can replace its BatchNorms.
 ModulePtr make_model(int seed) {
