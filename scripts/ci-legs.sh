@@ -54,9 +54,14 @@ DTRAIN_CI_SMOKE_TARGETS="${DTRAIN_CI_SMOKE_TARGETS-$smoke_targets}"
 # What leg 4 leaves to leg 1: dtrain-run's and the elastic agents' shell tests, the network-
 # namespace jobs (real Slurm and mpirun among them; they skip inside a root anyway), the TCP and
 # etcd stores, and the scripts' and tokenizer's tests: none calls LibTorch beyond allocating a
-# tensor.
+# tensor. Also the GPT-2 trainer's own logic (its checkpoint resumes, flag errors, memory-based
+# sharding choice and BLAS set-up: what LibTorch does under them, checkpoints included, is
+# dtrain_tests' and runs here), and the examples' compile against the installed package (the
+# package's consumer test, C++20 against the installed headers, runs here).
 leg4_skip='^(launcher|multinode|scripts|gpt2_data)[.]|^(Store|StoreHostile|StoreProtocol|StoreAcceptBackoff'
 leg4_skip+='|EtcdStore|EtcdCodec|EtcdRendezvous)[.]'
+leg4_skip+='|^gpt2_train[.](TrainerCheckpoint|TrainerErrors|TrainerMemory|TrainerBlas)[.]'
+leg4_skip+='|^package[.]examples_against_install$'
 DTRAIN_CI_LEG4_SKIP="${DTRAIN_CI_LEG4_SKIP-$leg4_skip}"
 
 # The -Werror build of flavour $1's root in build dir $2 (of the targets $3; empty: all) with
