@@ -53,21 +53,13 @@ common="--data=random --tokenizer=byte --max_tokens=40000 --layers=2 --heads=2 -
   --ctx=32 --steps=6 --warmup_steps=2 --lr=3e-3 --seed=7 --batch=2 --val_batches=0
   --sample_tokens=0 --timeout_s=60 --threads=1 --log_every=1 --strategy=ddp"
 
-losses() { grep '"kind": "step"' "$1" | sed 's/.*"loss": \([-0-9.eE+]*\).*/\1/'; }
-last_field() { grep '"kind": "step"' "$1" | tail -n 1 | sed "s/.*\"$2\": \([-0-9.eE+a-z]*\).*/\1/"; }
+. "$root/tests/multinode/losses.sh"
 
 # same_losses NAME REF RUN: equal step count (>= 5), each loss within 1e-6 relative.
 same_losses() {
-  losses "$2" >"$tmp/la"
-  losses "$3" >"$tmp/lb"
-  n=$(wc -l <"$tmp/la")
-  if [ "$n" -lt 5 ] || [ "$n" -ne "$(wc -l <"$tmp/lb")" ]; then
-    fail "$1: $n steps under dtrain-run, $(wc -l <"$tmp/lb") under mpirun"
-    return 1
-  fi
-  if ! paste "$tmp/la" "$tmp/lb" | awk '{ d = $1 - $2; if (d < 0) d = -d; m = $1 < 0 ? -$1 : $1;
-         if (d > 1e-6 * m) { print "step " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'; then
-    fail "$1: losses differ from dtrain-run's 4 ranks on one host"
+  why=$(losses_differ "$2" "$3")
+  if [ -n "$why" ]; then
+    fail "$1: losses differ from dtrain-run's 4 ranks on one host: $why"
     return 1
   fi
 }

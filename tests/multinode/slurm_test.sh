@@ -131,24 +131,17 @@ common=$(echo $common)
 # shellcheck disable=SC2116,SC2086
 long=$(echo $long)
 
-losses() { grep '"kind": "step"' "$1" | sed 's/.*"loss": \([-0-9.eE+]*\).*/\1/'; }
-last_field() { grep '"kind": "step"' "$1" | tail -n 1 | sed "s/.*\"$2\": \([-0-9.eE+a-z]*\).*/\1/"; }
+. "$root/tests/multinode/losses.sh"
 
 # same_losses NAME REF RUN: equal step count (>= 5), each loss within 1e-6 relative; and RUN
 # (two nodes) sent bytes between hosts.
 same_losses() {
-  losses "$2" >"$tmp/la"
-  losses "$3" >"$tmp/lb"
-  n=$(wc -l <"$tmp/la")
-  if [ "$n" -lt 5 ] || [ "$n" -ne "$(wc -l <"$tmp/lb")" ]; then
-    fail "$1: $n steps on one host, $(wc -l <"$tmp/lb") under Slurm"
+  why=$(losses_differ "$2" "$3")
+  if [ -n "$why" ]; then
+    fail "$1: losses differ from 4 ranks on one host: $why"
     return
   fi
-  if ! paste "$tmp/la" "$tmp/lb" | awk '{ d = $1 - $2; if (d < 0) d = -d; m = $1 < 0 ? -$1 : $1;
-         if (d > 1e-6 * m) { print "step " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'; then
-    fail "$1: losses differ from 4 ranks on one host"
-    return
-  fi
+  n=$(wc -l <"$tmp/lb")
   inter=$(last_field "$3" wire_bytes_inter_host)
   if ! awk -v b="$inter" 'BEGIN { exit !(b + 0 > 0) }'; then
     fail "$1: no bytes between hosts ($inter): did the ranks run on both nodes?"

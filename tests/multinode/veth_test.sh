@@ -33,31 +33,16 @@ common="--data=random --tokenizer=byte --max_tokens=40000 --layers=2 --heads=2 -
   --ctx=32 --steps=5 --warmup_steps=2 --lr=3e-3 --seed=7 --batch=2 --val_batches=0
   --sample_tokens=0 --timeout_s=60 --threads=1 --log_every=1"
 
-# losses FILE: the per-step losses of a metrics file, one per line.
-losses() {
-  grep '"kind": "step"' "$1" | sed 's/.*"loss": \([-0-9.eE+]*\).*/\1/'
-}
+. "$(dirname "$0")/losses.sh"
 
 # same_losses NAME A B: equal count, each within 1e-6 relative.
 same_losses() {
-  losses "$2" >"$tmp/la"
-  losses "$3" >"$tmp/lb"
-  n=$(wc -l <"$tmp/la")
-  if [ "$n" -lt 5 ] || [ "$n" -ne "$(wc -l <"$tmp/lb")" ]; then
-    fail "$1: $n steps on one host, $(wc -l <"$tmp/lb") across hosts"
-    return
-  fi
-  if ! paste "$tmp/la" "$tmp/lb" | awk '{ d = $1 - $2; if (d < 0) d = -d; m = $1 < 0 ? -$1 : $1;
-         if (d > 1e-6 * m) { print "step " NR ": " $1 " vs " $2; bad = 1 } } END { exit bad }'; then
-    fail "$1: losses differ between one host and two hosts"
+  why=$(losses_differ "$2" "$3")
+  if [ -n "$why" ]; then
+    fail "$1: losses differ between one host and two hosts: $why"
   else
-    echo "ok: $1: $n step losses equal within 1e-6 ($(tr '\n' ' ' <"$tmp/lb"))"
+    echo "ok: $1: $(wc -l <"$tmp/lb") step losses equal within 1e-6 ($(tr '\n' ' ' <"$tmp/lb"))"
   fi
-}
-
-# last_field FILE NAME: NAME's value in the last step line of a metrics file.
-last_field() {
-  grep '"kind": "step"' "$1" | tail -n 1 | sed "s/.*\"$2\": \([-0-9.eE+a-z]*\).*/\1/"
 }
 
 # wire_bytes NAME ONE TWO: bytes on the wire are counted, and only the two-host run sends
