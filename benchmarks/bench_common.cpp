@@ -19,7 +19,10 @@
 #include "dtrain_cli/flags.h"
 
 ABSL_FLAG(int64_t, nproc, 2,
-          "ranks (processes) to run on this host; ignored when started by a launcher (RANK set)");
+          "ranks (processes) to run on this host; ignored when started by a launcher (RANK, "
+          "or mpirun's OMPI_COMM_WORLD_RANK, set)");
+ABSL_FLAG(std::string, backend, "gloo",
+          "gloo (with --transport) or mpi (Backend::kMpi: start the program under mpirun)");
 ABSL_FLAG(double, timeout_s, 120, "communicator timeout (connect and each call), seconds");
 ABSL_FLAG(int64_t, gloo_segment_bytes,
           static_cast<int64_t>(dtrain::CommunicatorOptions{}.gloo_max_segment_bytes),
@@ -83,7 +86,12 @@ int launch_ranks(int argc, char** argv) {
 
 CommunicatorOptions communicator_options() {
   CommunicatorOptions options;
-  options.backend = Backend::kGloo;
+  const std::string backend = absl::GetFlag(FLAGS_backend);
+  if (backend == "mpi") {
+    options.backend = Backend::kMpi;
+  } else if (backend != "gloo") {
+    throw std::invalid_argument("--backend=" + backend + ": expected gloo or mpi");
+  }
   options.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout_s) * 1000));
   options.gloo_max_segment_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_gloo_segment_bytes));
@@ -175,7 +183,9 @@ bool all_ranks_ok(Communicator& comm, bool ok, std::string* failed_ranks) {
 
 int bench_main(int argc, char** argv,
                const std::function<void(Communicator&)>& register_benchmarks) {
+  // A rank of dtrain-run (or torchrun) or of mpirun; otherwise this process starts the ranks.
   const char* rank_env = std::getenv("RANK");
+  if (rank_env == nullptr || *rank_env == '\0') rank_env = std::getenv("OMPI_COMM_WORLD_RANK");
   const bool is_rank = rank_env != nullptr && *rank_env != '\0';
   const std::vector<std::string> command(argv, argv + argc);  // before parsing edits argv
   // Only rank 0 writes the output file (Google Benchmark also reads its flags from the
@@ -217,10 +227,10 @@ int bench_main(int argc, char** argv,
     if (info.rank == 0) {
       const std::string iface = info.communicator_options(options).interface;
       const std::string net = iface.empty() ? "TCP to " + info.master_addr : iface;
-      const std::string how =
-          std::string(comm->transport_name()) == "gloo"
-              ? "Gloo over " + net
-              : std::string(comm->transport_name()) + " (send/recv: Gloo over " + net + ")";
+      const std::string transport = comm->transport_name();
+      const std::string how = transport == "gloo"  ? "Gloo over " + net
+                              : transport == "mpi" ? std::string("MPI")
+                                                   : transport + " (send/recv: Gloo over " + net + ")";
       std::fprintf(stderr, "%s: %d ranks (processes), %s, %d intra-op thread(s)\n", program.c_str(),
                    info.world_size, how.c_str(), at::get_num_threads());
     }

@@ -6,7 +6,7 @@
 // failed rank stopping the others) and exits with their status. Every rank registers and
 // runs the same benchmarks; only rank 0 reports (and writes --benchmark_out), the others run
 // with a silent reporter. A program started by an external launcher (RANK already set) is
-// that rank and starts nothing.
+// that rank and starts nothing (RANK set, or OMPI_COMM_WORLD_RANK under mpirun).
 //
 // Command line: Google Benchmark's --benchmark_* flags, then the program's own flags, which
 // are Abseil flags (ABSL_FLAG in the program's file; the common ones below), parsed by
@@ -69,8 +69,8 @@ bool all_ranks_ok(Communicator& comm, bool ok, std::string* failed_ranks);
 // bad value), runs the benchmarks and returns this rank's exit status: 0 only if it
 // finished with no failed benchmark.
 //
-// Common flags: --nproc, --timeout_s, --transport (auto|gloo|shm), --shm_chunk_bytes,
-// --gloo_segment_bytes, --gloo_iface (see --help).
+// Common flags: --nproc, --timeout_s, --backend (gloo|mpi), --transport (auto|gloo|shm),
+// --shm_chunk_bytes, --gloo_segment_bytes, --gloo_iface (see --help).
 int bench_main(int argc, char** argv,
                const std::function<void(Communicator&)>& register_benchmarks);
 

@@ -99,6 +99,23 @@ if(NOT DTRAIN_WITH_NCCL STREQUAL "OFF")
   endif()
 endif()
 
+# The MPI backend (Backend::kMpi): MPI's C interface, called from C++ (the project enables no
+# C compiler; MPI_CXX_SKIP_MPICXX leaves out the deprecated C++ bindings). Debian:
+# libopenmpi-dev or libmpich-dev.
+set(DTRAIN_HAS_MPI OFF)
+if(NOT DTRAIN_WITH_MPI STREQUAL "OFF")
+  set(MPI_CXX_SKIP_MPICXX ON)
+  find_package(MPI COMPONENTS CXX QUIET)
+  if(MPI_CXX_FOUND)
+    set(DTRAIN_HAS_MPI ON)
+    message(STATUS "dtrain: MPI backend ON (MPI ${MPI_CXX_VERSION}, ${MPI_CXX_LIBRARIES})")
+  elseif(DTRAIN_WITH_MPI STREQUAL "ON")
+    message(FATAL_ERROR "DTRAIN_WITH_MPI=ON but no MPI was found (Debian: libopenmpi-dev)")
+  else()
+    message(STATUS "dtrain: MPI backend OFF (no MPI found)")
+  endif()
+endif()
+
 # DTRAIN_WARNINGS and dtrain_no_false_array_bounds (shared with the examples' standalone
 # build, examples/CMakeLists.txt).
 include(DtrainWarnings)

@@ -73,6 +73,8 @@ common_pkgs=(
   python3
   # examples/cnn: Fashion-MNIST's gzip-compressed IDX files, read with zlib.
   zlib1g-dev dataset-fashion-mnist
+  # The MPI backend compiles in every leg (its tests under mpirun run in leg 1).
+  libopenmpi-dev openmpi-bin
 )
 suite=trixie
 debootstrap_script=""

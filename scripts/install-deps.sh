@@ -18,6 +18,8 @@ PKGS=(
   gnuplot-nox
   # examples/cnn: Fashion-MNIST's gzip-compressed IDX files, read with zlib.
   zlib1g-dev dataset-fashion-mnist
+  # The MPI backend (Backend::kMpi) and its tests under a real mpirun: Open MPI 4.1.
+  libopenmpi-dev openmpi-bin
   # scripts/fuzz.sh and scripts/sanitize.sh: clang with libFuzzer and the sanitizer runtimes.
   clang libclang-rt-14-dev
   # scripts/format.sh (and its check in .ci/run): the repository's .clang-format, clang-format 14.

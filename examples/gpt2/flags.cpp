@@ -48,10 +48,12 @@ ABSL_FLAG(std::string, device, "cpu",
           "when CUDA_VISIBLE_DEVICES shows it one GPU (docs/nccl.md, the device contract); "
           "more ranks per host than GPUs is refused.");
 ABSL_FLAG(std::string, backend, "auto",
-          "auto | nccl | gloo. auto: nccl with --device cuda, gloo on the CPU. gloo with "
+          "auto | nccl | gloo | mpi. auto: nccl with --device cuda, gloo on the CPU. gloo with "
           "--device cuda: Gloo's collectives on the GPU's tensors, staged through pinned host "
           "memory, so several ranks may share one GPU (slower than NCCL; for tests and "
-          "clusters without an NCCL-capable network). nccl needs --device cuda.");
+          "clusters without an NCCL-capable network). nccl needs --device cuda. mpi: the job's "
+          "MPI (ranks started by mpirun or srun --mpi=pmi2; a dtrain built with MPI), staged "
+          "the same way with --device cuda.");
 ABSL_FLAG(int, threads, 0,
           "Intra-op threads per rank; 0: max(1, cores / LOCAL_WORLD_SIZE) so that the ranks "
           "of one machine share its cores.");
@@ -371,10 +373,12 @@ Config config_from_flags() {
   c.device = choose<DeviceKind>(absl::GetFlag(FLAGS_device),
                                 {{"cpu", DeviceKind::kCpu}, {"cuda", DeviceKind::kCuda}},
                                 "--device must be cpu or cuda");
-  c.backend = choose<BackendKind>(
-      absl::GetFlag(FLAGS_backend),
-      {{"auto", BackendKind::kAuto}, {"nccl", BackendKind::kNccl}, {"gloo", BackendKind::kGloo}},
-      "--backend must be auto, nccl or gloo");
+  c.backend = choose<BackendKind>(absl::GetFlag(FLAGS_backend),
+                                  {{"auto", BackendKind::kAuto},
+                                   {"nccl", BackendKind::kNccl},
+                                   {"gloo", BackendKind::kGloo},
+                                   {"mpi", BackendKind::kMpi}},
+                                  "--backend must be auto, nccl, gloo or mpi");
   check(c.backend != BackendKind::kNccl || c.device == DeviceKind::kCuda,
         "--backend nccl needs --device cuda (NCCL moves only GPU tensors)");
   c.precision = choose<Precision>(

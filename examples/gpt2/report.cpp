@@ -36,6 +36,7 @@ JsonLine Reporter::base_line(const char* kind, int64_t step, int64_t epoch) cons
   JsonLine j;
   j.add("kind", kind).add("step", step).add("epoch", epoch).add("rank", labels_.rank);
   j.add("world_size", labels_.world_size).add("strategy", labels_.strategy);
+  j.add("transport", labels_.transport);
   j.add("blas", labels_.blas).add("blas_kernel", labels_.blas_kernel);
   j.add("cpu_bf16_native", labels_.cpu_bf16_native).add("generation", labels_.generation);
   return j;

@@ -16,7 +16,10 @@ namespace gpt2 {
 // Written into every metrics line.
 struct RunLabels {
   int rank = 0, world_size = 1;
-  std::string strategy;     // Strategy::name()
+  std::string strategy;  // Strategy::name()
+  // Communicator::transport_name() of the world's communicator ("gloo", "shared_memory",
+  // "hierarchical", "nccl", "mpi"); "none" for one rank without one.
+  std::string transport = "none";
   std::string blas;         // library and version
   std::string blas_kernel;  // "unknown" when the library does not say
   // The CPU computes bf16 natively (avx512_bf16 or AMX-BF16; dtrain/blas.h). false: bf16 is

@@ -19,9 +19,9 @@ enum class StrategyKind { kSingle, kDdp, kFsdp };
 // --model: a GPT-2 preset (causal language model) or a BERT preset (masked language model).
 enum class ModelKind { kGpt2, kBert };
 enum class DeviceKind { kCpu, kCuda };
-// --backend: auto is NCCL on CUDA and Gloo on the CPU; gloo on CUDA stages tensors through
-// host memory, so several ranks can share one GPU.
-enum class BackendKind { kAuto, kNccl, kGloo };
+// --backend: auto is NCCL on CUDA and Gloo on the CPU; gloo (and mpi) on CUDA stage tensors
+// through host memory, so several ranks can share one GPU; mpi needs an MPI launcher.
+enum class BackendKind { kAuto, kNccl, kGloo, kMpi };
 enum class Precision { kFp32, kBf16, kFp16 };
 // fused: the LM head's cross-entropy chunk by chunk (lm_head_loss.h); standard: logits first.
 enum class LossKind { kFused, kStandard };

@@ -82,6 +82,7 @@ void Trainer::run() {
   labels.rank = info_.rank;
   labels.world_size = info_.world_size;
   labels.strategy = strategy_->name();
+  if (comm_) labels.transport = comm_->transport_name();
   labels.blas = blas_label(blas_.info);
   labels.blas_kernel = blas_.info.kernel.empty() ? "unknown" : blas_.info.kernel;
   labels.cpu_bf16_native = blas_.cpu.native_bf16();

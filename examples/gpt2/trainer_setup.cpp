@@ -81,17 +81,19 @@ void Trainer::setup_process() {
 void Trainer::setup_device_and_comm() {
   dtrain::CommunicatorOptions options;
   options.timeout = std::chrono::seconds(c_.timeout_s);
+  if (c_.backend == BackendKind::kMpi) options.backend = dtrain::Backend::kMpi;
   if (c_.device == DeviceKind::kCuda) {
     check(torch::cuda::is_available(), "--device cuda: LibTorch sees no CUDA device");
-    options.backend =
-        c_.backend == BackendKind::kGloo ? dtrain::Backend::kGloo : dtrain::Backend::kNccl;
+    if (c_.backend == BackendKind::kAuto || c_.backend == BackendKind::kNccl) {
+      options.backend = dtrain::Backend::kNccl;
+    }
     // The device contract (dtrain/rendezvous.h): LOCAL_RANK, or device 0 when
     // CUDA_VISIBLE_DEVICES narrows this rank to one GPU; NCCL ranks sharing one is refused.
     const int index = info_.cuda_device(dtrain::cuda_device_count(), options.backend);
     device_ = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
     options.device_index = index;
-    // Gloo on CUDA tensors: staged through host memory (CommunicatorOptions::device).
-    if (options.backend == dtrain::Backend::kGloo) options.device = device_;
+    // Gloo and MPI on CUDA tensors: staged through host memory (CommunicatorOptions::device).
+    if (options.backend != dtrain::Backend::kNccl) options.device = device_;
   }
   comm_options_ = options;
   // Provisional until plan_memory(): several ranks need the communicator either way.

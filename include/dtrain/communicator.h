@@ -42,7 +42,33 @@ namespace dtrain {
 
 enum class ReduceOp { kSum, kAvg, kMin, kMax };
 
-enum class Backend { kGloo, kNccl };
+enum class Backend {
+  // CPU tensors over Gloo's TCP pairs or shared memory (Transport).
+  kGloo,
+  // CUDA tensors over NCCL.
+  kNccl,
+  // CPU tensors over the job's MPI (Open MPI, MPICH): for clusters whose fast network MPI
+  // reaches (UCX, verbs), and for applications that hold an MPI_Comm (dtrain/mpi.h). Ranks
+  // must be processes of one MPI job (mpirun, srun --mpi=pmi2); dtrain initializes MPI when
+  // nothing has, and finalizes what it initialized at exit. docs/communication.md, "MPI".
+  kMpi,
+};
+
+// Who moves the MPI backend's calls on (docs/communication.md, "MPI"). dtrain never needs
+// MPI_THREAD_MULTIPLE; every MPI call it makes is serialized by one lock per process.
+enum class MpiProgress {
+  // kThread where MPI allows it (MPI_THREAD_MULTIPLE, or MPI initialized by dtrain), else
+  // kCaller.
+  kAuto,
+  // A dtrain thread starts and completes calls in the background, so they overlap compute as
+  // with Gloo. make_communicator throws InvalidArgument where MPI does not allow it.
+  kThread,
+  // Calls advance only on the threads that call dtrain: when issued, and inside Work::wait()
+  // and Work::is_completed(). Works at every thread level; the application must not call MPI
+  // while another of its threads is inside dtrain (below MPI_THREAD_MULTIPLE), and at
+  // MPI_THREAD_FUNNELED calls dtrain from the main thread only.
+  kCaller,
+};
 
 // How the Gloo (CPU) backend moves collectives' data (docs/communication.md, "Shared memory").
 enum class Transport {
@@ -63,7 +89,7 @@ enum class Transport {
 // header message to every peer per collective; kFingerprint compares more of it.
 enum class Consistency {
   // Operation, dtype, element count, reduction and root: everything whose mismatch would
-  // abort, hang or silently corrupt the result. Always on for Gloo and shared memory; on
+  // abort, hang or silently corrupt the result. Always on for Gloo, shared memory and MPI; on
   // NCCL with CommunicatorOptions::nccl_call_check.
   kCheap,
   // Also the full shape ([2, 512] and [1024] differ), to find where ranks' programs diverge.
@@ -74,7 +100,8 @@ enum class Consistency {
 const char* to_string(ReduceOp op);
 const char* to_string(Backend backend);
 const char* to_string(Consistency consistency);
-const char* to_string(Transport transport);  // "auto", "gloo", "shared_memory"
+const char* to_string(Transport transport);   // "auto", "gloo", "shared_memory"
+const char* to_string(MpiProgress progress);  // "auto", "thread", "caller"
 
 // Per-call options.
 struct CallOptions {
@@ -120,8 +147,10 @@ struct CommunicatorOptions {
   // stream and synchronized before Gloo reads it), the collective on the host, and the
   // result copied back to the device when Work::wait() returns (on CUDA on the waiting
   // thread's current stream). A device LibTorch cannot allocate on throws InvalidArgument.
-  // NCCL ignores it (device_index chooses).
+  // NCCL ignores it (device_index chooses). MPI stages the same way.
   c10::Device device = c10::Device(c10::kCPU);
+  // MPI: who moves calls on (MpiProgress).
+  MpiProgress mpi_progress = MpiProgress::kAuto;
   // Key prefix in the store; two communicators on one store need different names.
   std::string name = "default";
   // How much of each collective ranks compare before moving data. Ranks may differ: the
@@ -145,7 +174,7 @@ class Communicator {
   virtual int world_size() const = 0;
   virtual Backend backend() const = 0;
   // The data path collectives take: "gloo", "shared_memory", "hierarchical" (shared memory
-  // inside hosts, Gloo between) or "nccl".
+  // inside hosts, Gloo between), "nccl" or "mpi".
   virtual const char* transport_name() const = 0;
   // The device whose tensors this communicator accepts (see the contract above): CPU for
   // Gloo unless configured otherwise (CommunicatorOptions::device), the rank's CUDA device

@@ -16,6 +16,9 @@
 #if DTRAIN_HAS_NCCL
 #include "comm/nccl/nccl_transport.h"
 #endif
+#if DTRAIN_HAS_MPI
+#include "comm/mpi/mpi_communicator.h"
+#endif
 
 namespace dtrain::detail {
 namespace {
@@ -124,6 +127,30 @@ std::unique_ptr<CollectiveEngine> make_cpu_engine(std::shared_ptr<Store> store, 
                                  std::move(failure), std::move(wire), std::move(gloo_engine));
 }
 
+void check_options(const CommunicatorOptions& options, const ErrorContext& ctx) {
+  if (options.timeout.count() <= 0) throw InvalidArgument(ctx, "timeout must be positive");
+  if (options.consistency != Consistency::kCheap &&
+      options.consistency != Consistency::kFingerprint) {
+    throw InvalidArgument(ctx, "unknown consistency level");
+  }
+  if (options.transport != Transport::kAuto && options.transport != Transport::kGloo &&
+      options.transport != Transport::kSharedMemory) {
+    throw InvalidArgument(ctx, "unknown transport");
+  }
+  if (options.mpi_progress != MpiProgress::kAuto && options.mpi_progress != MpiProgress::kThread &&
+      options.mpi_progress != MpiProgress::kCaller) {
+    throw InvalidArgument(ctx, "unknown mpi_progress");
+  }
+}
+
+std::unique_ptr<CollectiveEngine> on_device(std::unique_ptr<CollectiveEngine> engine,
+                                            const CommunicatorOptions& options, int rank,
+                                            std::shared_ptr<StickyFailure> failure,
+                                            const ErrorContext& ctx) {
+  if (options.device.is_cpu()) return engine;
+  return make_staging_transport(std::move(engine), options.device, rank, std::move(failure), ctx);
+}
+
 std::unique_ptr<CollectiveEngine> make_engine(std::shared_ptr<Store> store, int rank,
                                               int world_size, const CommunicatorOptions& options,
                                               std::shared_ptr<StickyFailure> failure,
@@ -133,13 +160,18 @@ std::unique_ptr<CollectiveEngine> make_engine(std::shared_ptr<Store> store, int 
     case Backend::kGloo: {
       auto engine = make_cpu_engine(store, rank, world_size, options, failure, std::move(wire),
                                     shm::host_identity());
-      // Tensors of another device go through host memory.
-      if (!options.device.is_cpu()) {
-        engine = make_staging_transport(std::move(engine), options.device, rank, std::move(failure),
-                                        ctx);
-      }
-      return engine;
+      return on_device(std::move(engine), options, rank, std::move(failure), ctx);
     }
+    case Backend::kMpi:
+#if DTRAIN_HAS_MPI
+      return on_device(mpi_backend::make_mpi_transport(std::move(store), rank, world_size, options,
+                                                       failure, ctx),
+                       options, rank, failure, ctx);
+#else
+      throw InvalidArgument(ctx,
+                            "this dtrain was built without MPI (DTRAIN_WITH_MPI=OFF or no MPI "
+                            "found at configure time; Debian: libopenmpi-dev)");
+#endif
     case Backend::kNccl:
 #if DTRAIN_HAS_NCCL
       return nccl_backend::make_nccl_transport(std::move(store), rank, world_size, options,

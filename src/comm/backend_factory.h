@@ -1,5 +1,5 @@
 // The one place where a communicator's collective engine (engine.h) is assembled, for every
-// backend: NCCL; for Gloo, the CPU transport the ranks agree on (Gloo's TCP pairs, shared
+// backend: NCCL; MPI; for Gloo, the CPU transport the ranks agree on (Gloo's TCP pairs, shared
 // memory or hierarchical), wrapped in the staging engine for tensors of another device.
 // make_communicator (communicator.cpp) validates the options and puts a FrontEnd on top.
 #pragma once
@@ -12,6 +12,17 @@
 #include "comm/wire_counter.h"
 
 namespace dtrain::detail {
+
+// Throws InvalidArgument(ctx) for options no backend accepts: a non-positive timeout, an
+// enumerator out of range.
+void check_options(const CommunicatorOptions& options, const ErrorContext& ctx);
+
+// `engine`, wrapped in the staging engine when options.device is not the CPU (Gloo and MPI move
+// host memory; see CommunicatorOptions::device).
+std::unique_ptr<CollectiveEngine> on_device(std::unique_ptr<CollectiveEngine> engine,
+                                            const CommunicatorOptions& options, int rank,
+                                            std::shared_ptr<StickyFailure> failure,
+                                            const ErrorContext& ctx);
 
 // The engine of `options.backend`. `failure` and `wire` are the communicator's. For NCCL,
 // `wire` is left untouched (NCCL chooses its algorithms itself: not counted). Throws what

@@ -30,6 +30,8 @@ const char* to_string(Backend backend) {
       return "gloo";
     case Backend::kNccl:
       return "nccl";
+    case Backend::kMpi:
+      return "mpi";
   }
   return "?";
 }
@@ -56,12 +58,26 @@ const char* to_string(Transport transport) {
   return "?";
 }
 
+const char* to_string(MpiProgress progress) {
+  switch (progress) {
+    case MpiProgress::kAuto:
+      return "auto";
+    case MpiProgress::kThread:
+      return "thread";
+    case MpiProgress::kCaller:
+      return "caller";
+  }
+  return "?";
+}
+
 bool is_backend_available(Backend backend) {
   switch (backend) {
     case Backend::kGloo:
       return true;
     case Backend::kNccl:
       return DTRAIN_HAS_NCCL != 0;
+    case Backend::kMpi:
+      return DTRAIN_HAS_MPI != 0;
   }
   return false;
 }
@@ -79,18 +95,11 @@ CommunicatorPtr make_communicator(std::shared_ptr<Store> store, int rank, int wo
   if (world_size < 1) throw InvalidArgument(ctx, fmt::format("world_size {} < 1", world_size));
   if (rank < 0 || rank >= world_size)
     throw InvalidArgument(ctx, fmt::format("rank {} is not in [0, {})", rank, world_size));
-  if (options.timeout.count() <= 0) throw InvalidArgument(ctx, "timeout must be positive");
-  if (options.consistency != Consistency::kCheap &&
-      options.consistency != Consistency::kFingerprint) {
-    throw InvalidArgument(ctx, "unknown consistency level");
-  }
-  if (options.transport != Transport::kAuto && options.transport != Transport::kGloo &&
-      options.transport != Transport::kSharedMemory) {
-    throw InvalidArgument(ctx, "unknown transport");
-  }
+  detail::check_options(options, ctx);
   auto failure = std::make_shared<detail::StickyFailure>();
-  // NCCL's bytes are not counted (wire_stats.h): its communicator reports counted = false.
-  auto wire = options.backend == Backend::kNccl ? nullptr : std::make_shared<detail::WireCounter>();
+  // NCCL's and MPI's bytes are not counted (wire_stats.h): they choose their algorithms
+  // themselves, so their communicators report counted = false.
+  auto wire = options.backend == Backend::kGloo ? std::make_shared<detail::WireCounter>() : nullptr;
   auto engine = detail::make_engine(store, rank, world_size, options, failure, wire, ctx);
   return std::make_shared<detail::FrontEnd>(rank, world_size, options, std::move(failure),
                                             std::move(engine), std::move(wire));

@@ -1,4 +1,4 @@
-// Work for backends that complete calls on a host thread (Gloo), and the FIFO worker
+// Work for backends that complete calls on a host thread (Gloo, MPI), and the FIFO worker
 // that runs those calls off the caller's thread.
 #pragma once
 
@@ -20,6 +20,11 @@ class CpuWork final : public Work {
  public:
   CpuWork(uint64_t seq, std::string op, ErrorContext context, std::chrono::milliseconds timeout,
           std::vector<at::Tensor> keep_alive);
+  // `drive` moves calls on where only the caller's thread may (MPI below
+  // MPI_THREAD_MULTIPLE): wait() calls it until the call completes, is_completed() once. It
+  // must not block, nor call back into this Work.
+  CpuWork(uint64_t seq, std::string op, ErrorContext context, std::chrono::milliseconds timeout,
+          std::vector<at::Tensor> keep_alive, std::function<void()> drive);
 
   bool is_completed() const override;
   void wait(std::chrono::milliseconds timeout = kDefaultTimeout) override;
@@ -40,6 +45,7 @@ class CpuWork final : public Work {
   bool done_ = false;
   std::exception_ptr error_;
   std::vector<at::Tensor> keep_alive_;
+  const std::function<void()> drive_;
 };
 
 // Runs submitted tasks one at a time, in submission order, on its own thread. The

@@ -2,12 +2,13 @@
 # dtrain under a real Open MPI mpirun (Debian's 4.1): gpt2_train (GPT-2, a few layers, random
 # bytes) takes its rank from OMPI_COMM_WORLD_* (LaunchInfo::from_env, docs/multinode.md).
 #   one host   mpirun -np 4: per-step losses equal 4 ranks under dtrain-run (1e-6 relative);
+#              also with --backend mpi (the collectives over Open MPI, Backend::kMpi);
 #   two hosts  two network namespaces joined by a veth pair (scripts/veth-hosts.sh), mpirun
 #              in host A starting 2 ranks there and 2 in host B through an rsh agent that
 #              enters B's namespace instead of ssh (tests/multinode/netns_rsh.sh; mpirun
 #              --mca plm_rsh_agent), MASTER_ADDR passed with -x: the same losses, with bytes
 #              between the hosts; without -x MASTER_ADDR every rank refuses to start, saying
-#              so (mpirun publishes no host list);
+#              so (mpirun publishes no host list); --backend mpi across the namespaces too;
 # and after each job no process is left in either namespace (orted, ranks).
 # Usage: mpirun_test.sh BUILD_DIR (with examples/gpt2/gpt2_train and src/launcher/dtrain-run)
 # Exit 77 (ctest: skipped) when network namespaces cannot be made (not root) or openmpi-bin
@@ -91,6 +92,21 @@ else
   tail -n 20 "$tmp/one.log"
 fi
 
+# --- one host, --backend mpi: the collectives over Open MPI itself (Backend::kMpi).
+# shellcheck disable=SC2086
+if "${mpirun[@]}" -np 4 "$train" $common --backend=mpi --metrics_out="$tmp/one_mpi.jsonl" \
+  >"$tmp/one_mpi.log" 2>&1; then
+  transport=$(grep -o '"transport": "[a-z_]*"' "$tmp/one_mpi.jsonl" | sort -u | paste -s -d ' ')
+  if [ "$transport" != '"transport": "mpi"' ]; then
+    fail "one host, --backend mpi: the metrics say $transport, not mpi"
+  elif same_losses "one host, --backend mpi" "$tmp/ref.jsonl" "$tmp/one_mpi.jsonl"; then
+    echo "ok: one host: mpirun -np 4 --backend mpi: $(wc -l <"$tmp/lb") step losses equal dtrain-run's (Gloo) within 1e-6"
+  fi
+else
+  fail "one host: mpirun -np 4 --backend mpi failed"
+  tail -n 20 "$tmp/one_mpi.log"
+fi
+
 # --- two hosts: mpirun in A; orted in B through the agent; ranks 0-1 in A, 2-3 in B.
 export NETNS_RSH_HOSTS="$addr_a=$ns_a $addr_b=$ns_b"
 two=("${mpirun[@]}" --mca plm_rsh_agent "$root/tests/multinode/netns_rsh.sh"
@@ -111,6 +127,18 @@ else
   tail -n 20 "$tmp/two.log"
 fi
 no_leftovers "two hosts"
+
+# --- two hosts, --backend mpi: Open MPI's own TCP between the namespaces.
+# shellcheck disable=SC2086
+if ip netns exec "$ns_a" "${two[@]}" -x MASTER_ADDR="$addr_a" -x MASTER_PORT=29401 \
+  "$train" $common --backend=mpi --metrics_out="$tmp/two_mpi.jsonl" >"$tmp/two_mpi.log" 2>&1; then
+  same_losses "two hosts, --backend mpi" "$tmp/ref.jsonl" "$tmp/two_mpi.jsonl" &&
+    echo "ok: two hosts: mpirun --backend mpi across the namespaces: $(wc -l <"$tmp/lb") step losses equal dtrain-run's within 1e-6"
+else
+  fail "two hosts: mpirun --backend mpi failed"
+  tail -n 20 "$tmp/two_mpi.log"
+fi
+no_leftovers "two hosts, --backend mpi"
 
 # --- two hosts without MASTER_ADDR: every rank fails at once, naming the fix.
 # shellcheck disable=SC2086
