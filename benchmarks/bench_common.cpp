@@ -228,9 +228,10 @@ int bench_main(int argc, char** argv,
       const std::string iface = info.communicator_options(options).interface;
       const std::string net = iface.empty() ? "TCP to " + info.master_addr : iface;
       const std::string transport = comm->transport_name();
-      const std::string how = transport == "gloo"  ? "Gloo over " + net
-                              : transport == "mpi" ? std::string("MPI")
-                                                   : transport + " (send/recv: Gloo over " + net + ")";
+      const std::string how = transport == "gloo" ? "Gloo over " + net
+                              : transport == "mpi"
+                                  ? std::string("MPI")
+                                  : transport + " (send/recv: Gloo over " + net + ")";
       std::fprintf(stderr, "%s: %d ranks (processes), %s, %d intra-op thread(s)\n", program.c_str(),
                    info.world_size, how.c_str(), at::get_num_threads());
     }

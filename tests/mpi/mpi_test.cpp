@@ -48,8 +48,8 @@ int world_rank() {
   return r;
 }
 
-CommunicatorOptions with(MpiProgress progress, std::chrono::milliseconds timeout =
-                                                   std::chrono::seconds(60)) {
+CommunicatorOptions with(MpiProgress progress,
+                         std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   CommunicatorOptions o;
   o.mpi_progress = progress;
   o.timeout = timeout;
@@ -99,10 +99,12 @@ TEST_P(MpiCollectives, SendRecvRingWithTags) {
     auto rb = comm->recv(got_b, left, 8);
     auto ra = comm->recv(got_a, left, 7);
     for (auto& w : {sa, sb, rb, ra}) w->wait();
-    expect_values(got_a, [&](int64_t i) { return value(left, i); },
-                  label("recv tag 7", at::kFloat, n, comm->rank()));
-    expect_values(got_b, [&](int64_t i) { return value(left, i + 5); },
-                  label("recv tag 8", at::kFloat, n, comm->rank()));
+    expect_values(
+        got_a, [&](int64_t i) { return value(left, i); },
+        label("recv tag 7", at::kFloat, n, comm->rank()));
+    expect_values(
+        got_b, [&](int64_t i) { return value(left, i + 5); },
+        label("recv tag 8", at::kFloat, n, comm->rank()));
   }
 }
 
@@ -118,8 +120,9 @@ TEST_P(MpiCollectives, AsyncCallsCompleteInIssueOrderWithSameSequenceOnEveryRank
   for (int k = 5; k >= 0; --k) works[k]->wait();  // reverse order: no deadlock
   for (int k = 0; k < 6; ++k) {
     ASSERT_TRUE(works[k]->is_completed() && works[k]->exception() == nullptr) << k;
-    expect_values(ts[k], [&](int64_t i) { return reduce_expected(ReduceOp::kSum, world, i); },
-                  "async all_reduce " + std::to_string(k));
+    expect_values(
+        ts[k], [&](int64_t i) { return reduce_expected(ReduceOp::kSum, world, i); },
+        "async all_reduce " + std::to_string(k));
     if (k > 0) {
       EXPECT_EQ(works[k]->sequence_number(), works[k - 1]->sequence_number() + 1);
     }
@@ -360,7 +363,8 @@ TEST(MpiOwnedByDtrain, WorldAndGroupsOfSomeRanks) {
   auto w2 = comm->all_reduce(u);  // the world's communicator, interleaved
   w1->wait();
   w2->wait();
-  const float want = pair_size == 2 ? static_cast<float>(4 * pair + 1) : static_cast<float>(info.rank);
+  const float want =
+      pair_size == 2 ? static_cast<float>(4 * pair + 1) : static_cast<float>(info.rank);
   EXPECT_TRUE(t.eq(want).all().item<bool>()) << t;
   EXPECT_TRUE(u.eq(info.world_size).all().item<bool>()) << u;
   at::Tensor ranks = at::empty({pair_size}, at::kLong);

@@ -110,8 +110,9 @@ namespace dtrain {
 CommunicatorPtr init_communicator(MPI_Comm comm, const CommunicatorOptions& options) {
   ErrorContext ctx{-1, -1, "init_communicator(MPI_Comm)", -1};
   if (comm == MPI_COMM_NULL) {
-    throw InvalidArgument(ctx, "comm is MPI_COMM_NULL: only the processes in the group call "
-                               "init_communicator");
+    throw InvalidArgument(ctx,
+                          "comm is MPI_COMM_NULL: only the processes in the group call "
+                          "init_communicator");
   }
   CommunicatorOptions o = options;
   o.backend = Backend::kMpi;

@@ -185,15 +185,16 @@ class Pipeline final : public Progressable {
     if (Clock::now() < call.deadline) return;
     const auto ms = call.timeout().count();
     if (!call.collective) {
-      throw TimeoutError(call.context(),
-                         fmt::format("{} rank {} (tag {}) not completed within {} ms",
-                                     call.p2p.is_send ? "send to" : "recv from", call.p2p.peer,
-                                     call.p2p.tag, ms));
+      throw TimeoutError(
+          call.context(),
+          fmt::format("{} rank {} (tag {}) not completed within {} ms",
+                      call.p2p.is_send ? "send to" : "recv from", call.p2p.peer, call.p2p.tag, ms));
     }
-    throw TimeoutError(call.context(),
-                       fmt::format("not completed within {} ms{}: a rank has not issued it, or "
-                                   "is stuck before it",
-                                   ms, call.phase == Call::Phase::kHeader ? " (call headers)" : ""));
+    throw TimeoutError(
+        call.context(),
+        fmt::format("not completed within {} ms{}: a rank has not issued it, or "
+                    "is stuck before it",
+                    ms, call.phase == Call::Phase::kHeader ? " (call headers)" : ""));
   }
 
   void start_point_to_point(Call& call) {
@@ -217,8 +218,9 @@ class Pipeline final : public Progressable {
     const MPI_Datatype type =
         c.tensor.defined() ? datatype(c.tensor.scalar_type()) : MPI_DATATYPE_NULL;
     const int count = c.tensor.defined() ? static_cast<int>(c.tensor.numel()) : 0;
-    const MPI_Op op = c.tensor.defined() ? runtime_->reductions().op(c.tensor.scalar_type(), c.reduce)
-                                         : MPI_OP_NULL;
+    const MPI_Op op = c.tensor.defined()
+                          ? runtime_->reductions().op(c.tensor.scalar_type(), c.reduce)
+                          : MPI_OP_NULL;
     switch (c.op) {
       case CollectiveOp::kAllReduce:
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, c.tensor.data_ptr(), count, type, op, data_,
@@ -273,7 +275,8 @@ class Pipeline final : public Progressable {
       }
     }
     if (call.collective && call.coll.reduce == ReduceOp::kAvg &&
-        (call.coll.op == CollectiveOp::kAllReduce || call.coll.op == CollectiveOp::kReduceScatter)) {
+        (call.coll.op == CollectiveOp::kAllReduce ||
+         call.coll.op == CollectiveOp::kReduceScatter)) {
       call.coll.tensor.div_(world_);
     }
     call.phase = Call::Phase::kDone;
@@ -354,9 +357,9 @@ class MpiEngine final : public detail::CollectiveEngine {
     check_thread(call.context);
     check_count(call.tensor, call.context);
     if (call.tag > static_cast<uint32_t>(tag_ub_)) {
-      throw InvalidArgument(call.context,
-                            fmt::format("tag {} is above this MPI's largest tag {} (MPI_TAG_UB)",
-                                        call.tag, tag_ub_));
+      throw InvalidArgument(
+          call.context,
+          fmt::format("tag {} is above this MPI's largest tag {} (MPI_TAG_UB)", call.tag, tag_ub_));
     }
   }
 
@@ -425,11 +428,9 @@ class MpiEngine final : public detail::CollectiveEngine {
 
 }  // namespace
 
-std::unique_ptr<detail::CollectiveEngine> make_mpi_engine(std::shared_ptr<Runtime> runtime,
-                                                          MPI_Comm comm,
-                                                          const CommunicatorOptions& options,
-                                                          std::shared_ptr<detail::StickyFailure> failure,
-                                                          const ErrorContext& ctx) {
+std::unique_ptr<detail::CollectiveEngine> make_mpi_engine(
+    std::shared_ptr<Runtime> runtime, MPI_Comm comm, const CommunicatorOptions& options,
+    std::shared_ptr<detail::StickyFailure> failure, const ErrorContext& ctx) {
   const bool allowed = runtime->progress_thread_allowed();
   if (options.mpi_progress == MpiProgress::kThread && !allowed) {
     {
@@ -457,8 +458,8 @@ std::unique_ptr<detail::CollectiveEngine> make_mpi_engine(std::shared_ptr<Runtim
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &value, &found);
     if (found != 0) tag_ub = *static_cast<int*>(value);
   }
-  auto pipeline =
-      std::make_shared<Pipeline>(std::move(runtime), comm, headers, rank, world, std::move(failure));
+  auto pipeline = std::make_shared<Pipeline>(std::move(runtime), comm, headers, rank, world,
+                                             std::move(failure));
   return std::make_unique<MpiEngine>(std::move(pipeline), use_thread, tag_ub);
 }
 

@@ -27,10 +27,8 @@ namespace dtrain::mpi_backend {
 // size are the communicator's. Resolves options.mpi_progress against the runtime's thread
 // level: InvalidArgument(ctx) for kThread where no dtrain thread may call MPI. `comm` must be
 // valid and the call collective over it (it duplicates `comm` for the headers).
-std::unique_ptr<detail::CollectiveEngine> make_mpi_engine(std::shared_ptr<Runtime> runtime,
-                                                          MPI_Comm comm,
-                                                          const CommunicatorOptions& options,
-                                                          std::shared_ptr<detail::StickyFailure> failure,
-                                                          const ErrorContext& ctx);
+std::unique_ptr<detail::CollectiveEngine> make_mpi_engine(
+    std::shared_ptr<Runtime> runtime, MPI_Comm comm, const CommunicatorOptions& options,
+    std::shared_ptr<detail::StickyFailure> failure, const ErrorContext& ctx);
 
 }  // namespace dtrain::mpi_backend

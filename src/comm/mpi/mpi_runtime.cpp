@@ -15,8 +15,9 @@ std::shared_ptr<Runtime> Runtime::get(bool may_initialize, const ErrorContext& c
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized != 0) {
-    throw InvalidArgument(ctx, "MPI is already finalized: create MPI communicators before "
-                               "MPI_Finalize");
+    throw InvalidArgument(ctx,
+                          "MPI is already finalized: create MPI communicators before "
+                          "MPI_Finalize");
   }
   if (runtime) return runtime;
   int initialized = 0;
@@ -27,8 +28,9 @@ std::shared_ptr<Runtime> Runtime::get(bool may_initialize, const ErrorContext& c
     MPI_Query_thread(&level);
   } else {
     if (!may_initialize) {
-      throw InvalidArgument(ctx, "MPI is not initialized: call MPI_Init_thread (or MPI_Init) "
-                                 "before init_communicator(MPI_Comm)");
+      throw InvalidArgument(ctx,
+                            "MPI is not initialized: call MPI_Init_thread (or MPI_Init) "
+                            "before init_communicator(MPI_Comm)");
     }
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &level);
     if (rc != MPI_SUCCESS) throw CommError(ctx, "MPI_Init_thread: " + error_string(rc));
@@ -64,8 +66,7 @@ int Runtime::on_finalize(MPI_Comm, int, void* value, void*) {
 }
 
 bool Runtime::progress_thread_allowed() const {
-  return thread_level_ == MPI_THREAD_MULTIPLE ||
-         (owns_ && thread_level_ == MPI_THREAD_SERIALIZED);
+  return thread_level_ == MPI_THREAD_MULTIPLE || (owns_ && thread_level_ == MPI_THREAD_SERIALIZED);
 }
 
 bool Runtime::finalized() const { return finalized_.load(); }
