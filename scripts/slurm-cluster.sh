@@ -38,7 +38,9 @@ munge_socket="$run_dir/munge/munge.socket"
 say() { echo "slurm-cluster: $*" >&2; }
 
 # host_exec I CMD...: CMD on host I: its network namespace, its hostname, and our hosts file
-# over /etc/hosts in a private mount namespace. Not `ip netns exec`: that mounts a new /sys,
+# over /etc/hosts in a private mount namespace, where $run_dir/pmix is the host's own
+# directory (PMIx's per-step directories are named after the job, not the host: on one shared
+# /tmp the second node's step could not start). Not `ip netns exec`: that mounts a new /sys,
 # which hides /sys/fs/cgroup, and Debian's slurmd 22.05 will not start without a cgroup
 # file system even with proctrack/linuxproc and task/none ("Unable to initialize cgroup
 # plugin").
@@ -47,8 +49,9 @@ host_exec() {
   shift
   # shellcheck disable=SC2016 # expanded by that sh
   nsenter --net="/run/netns/${netns[$i]}" unshare --mount --uts env SLURM_CONF="$conf" sh -c \
-    'h=$1 && shift && mount --bind "$h" /etc/hosts && hostname "$0" && exec "$@"' \
-    "${nodes[$i]}" "$run_dir/etc/hosts" "$@"
+    'h=$1 && t=$2 && p=$3 && shift 3 && mount --bind "$h" /etc/hosts && mount --bind "$t" "$p" &&
+     hostname "$0" && exec "$@"' \
+    "${nodes[$i]}" "$run_dir/etc/hosts" "$run_dir/${nodes[$i]}/tmp" "$run_dir/pmix" "$@"
 }
 
 # on NODE CMD...: CMD on that host, e.g. a client (sbatch, srun, squeue).
@@ -74,7 +77,8 @@ pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 write_config() {
   mkdir -p "$run_dir/etc" "$run_dir/ctld"
-  for n in "${nodes[@]}"; do mkdir -p "$run_dir/$n/spool"; done
+  for n in "${nodes[@]}"; do mkdir -p "$run_dir/$n/spool" "$run_dir/$n/tmp"; done
+  mkdir -p "$run_dir/pmix"
   # Why each setting (docs/multinode.md has the long version):
   # - SlurmUser/SlurmdUser root: no slurm account needed; jobs run as the submitting root.
   # - AuthInfo socket: our own munged, not /run/munge of the system; cred_expire 10 s (default
@@ -129,6 +133,8 @@ PreemptMode=REQUEUE
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
+  # srun --mpi=pmix (Open MPI's jobs under srun): each node's PMIx files in its own directory.
+  echo "PMIxCliTmpDirBase=$run_dir/pmix" >"$run_dir/etc/mpi.conf"
   printf '127.0.0.1 localhost\n%s %s\n%s %s\n' "${addrs[0]}" "${nodes[0]}" \
     "${addrs[1]}" "${nodes[1]}" >"$run_dir/etc/hosts"
   cat >"$run_dir/env" <<EOF

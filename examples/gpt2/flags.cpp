@@ -52,7 +52,7 @@ ABSL_FLAG(std::string, backend, "auto",
           "--device cuda: Gloo's collectives on the GPU's tensors, staged through pinned host "
           "memory, so several ranks may share one GPU (slower than NCCL; for tests and "
           "clusters without an NCCL-capable network). nccl needs --device cuda. mpi: the job's "
-          "MPI (ranks started by mpirun or srun --mpi=pmi2; a dtrain built with MPI), staged "
+          "MPI (ranks started by mpirun or srun --mpi=pmix; a dtrain built with MPI), staged "
           "the same way with --device cuda.");
 ABSL_FLAG(int, threads, 0,
           "Intra-op threads per rank; 0: max(1, cores / LOCAL_WORLD_SIZE) so that the ranks "

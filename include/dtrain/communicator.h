@@ -49,7 +49,7 @@ enum class Backend {
   kNccl,
   // CPU tensors over the job's MPI (Open MPI, MPICH): for clusters whose fast network MPI
   // reaches (UCX, verbs), and for applications that hold an MPI_Comm (dtrain/mpi.h). Ranks
-  // must be processes of one MPI job (mpirun, srun --mpi=pmi2); dtrain initializes MPI when
+  // must be processes of one MPI job (mpirun, srun --mpi=pmix); dtrain initializes MPI when
   // nothing has, and finalizes what it initialized at exit. docs/communication.md, "MPI".
   kMpi,
 };

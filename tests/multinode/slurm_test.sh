@@ -7,6 +7,8 @@
 #         _STEP_NODELIST, _STEP_TASKS_PER_NODE) are what dtrain reads;
 #   a     sbatch -N 2 --ntasks-per-node=2, srun gpt2_train: its per-step losses equal those
 #         of 4 ranks on one host under dtrain-run (1e-6 relative), with bytes between hosts;
+#   a2    the same with srun --mpi=pmix and gpt2_train --backend mpi (collectives over Open
+#         MPI, PMIx from Slurm): the same losses;
 #   b     one dtrain-run agent per node under srun: the same losses;
 #   c     preemption: `scancel --signal=TERM` mid-run makes every rank write a checkpoint
 #         and exit; a new job resumes; and a job of the "urgent" partition preempts a
@@ -207,6 +209,33 @@ else
   tail -n 20 "$tmp/a.out"
 fi
 no_leftovers a
+
+# --- a2: the same job with the collectives over MPI: srun --mpi=pmix starts Open MPI's ranks
+# (PMIx), gpt2_train --backend mpi (Backend::kMpi) moves the gradients through Open MPI.
+# MPI's bytes are not counted (wire_stats.h): each rank writes its host name instead.
+cat >"$tmp/a2.sh" <<EOF
+#!/bin/sh
+srun --mpi=pmix sh -c 'hostname >$tmp/a2.host.\$SLURM_PROCID && exec "\$0" "\$@"' \
+  $train $common --backend=mpi --metrics_out=$tmp/a2.jsonl
+EOF
+if on sbatch -N 2 --ntasks-per-node=2 --wait -o "$tmp/a2.out" "$tmp/a2.sh" >/dev/null; then
+  transport=$(grep -o '"transport": "[a-z_]*"' "$tmp/a2.jsonl" | sort -u | paste -s -d ' ')
+  hosts=$(cat "$tmp"/a2.host.* | sort -u | paste -s -d ' ')
+  why=$(losses_differ "$tmp/one.jsonl" "$tmp/a2.jsonl")
+  if [ "$transport" != '"transport": "mpi"' ]; then
+    fail "a2: the metrics say $transport, not mpi"
+  elif [ "$hosts" != "dtnode1 dtnode2" ]; then
+    fail "a2: the ranks ran on '$hosts', not on both nodes"
+  elif [ -n "$why" ]; then
+    fail "a2: losses differ from 4 ranks on one host: $why"
+  else
+    echo "ok: a2 (srun --mpi=pmix gpt2_train --backend mpi): $(wc -l <"$tmp/lb") step losses equal 4 ranks on one host within 1e-6, ranks on $hosts, transport mpi"
+  fi
+else
+  fail "a2: the job failed"
+  tail -n 20 "$tmp/a2.out"
+fi
+no_leftovers a2
 
 # --- b: one dtrain-run agent per node (one task of 2 CPUs each); the agents' RANK wins.
 cat >"$tmp/b.sh" <<EOF

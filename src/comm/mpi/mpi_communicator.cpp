@@ -56,7 +56,7 @@ void check_one_job(const std::vector<WorldPlace>& places, const ErrorContext& ct
       throw InvalidArgument(
           ctx, fmt::format("Backend::kMpi needs every rank to be a process of one MPI job, but "
                            "rank {} is MPI rank {} of {} and rank {} is MPI rank {} of {}: start "
-                           "the job with an MPI launcher (mpirun, srun --mpi=pmi2), not "
+                           "the job with an MPI launcher (mpirun, srun --mpi=pmix), not "
                            "dtrain-run or torchrun",
                            fresh ? 0 : it->second, places[fresh ? 0 : it->second].rank,
                            places[fresh ? 0 : it->second].size, r, p.rank, p.size));
