@@ -2,7 +2,8 @@
 # dtrain under a real Open MPI mpirun (Debian's 4.1): gpt2_train (GPT-2, a few layers, random
 # bytes) takes its rank from OMPI_COMM_WORLD_* (LaunchInfo::from_env, docs/multinode.md).
 #   one host   mpirun -np 4: per-step losses equal 4 ranks under dtrain-run (1e-6 relative);
-#              also with --backend mpi (the collectives over Open MPI, Backend::kMpi);
+#              also with --backend mpi (the collectives over Open MPI, Backend::kMpi), which
+#              dtrain-run's ranks (no MPI job) refuse, naming the launchers that work;
 #   two hosts  two network namespaces joined by a veth pair (scripts/veth-hosts.sh), mpirun
 #              in host A starting 2 ranks there and 2 in host B through an rsh agent that
 #              enters B's namespace instead of ssh (tests/multinode/netns_rsh.sh; mpirun
@@ -105,6 +106,17 @@ if "${mpirun[@]}" -np 4 "$train" $common --backend=mpi --metrics_out="$tmp/one_m
 else
   fail "one host: mpirun -np 4 --backend mpi failed"
   tail -n 20 "$tmp/one_mpi.log"
+fi
+
+# --- --backend mpi without an MPI launcher: each process is an MPI world of its own; refused.
+# shellcheck disable=SC2086
+if timeout 60 "$run" --nproc_per_node 2 -- "$train" $common --backend=mpi >"$tmp/nompi.log" 2>&1; then
+  fail "dtrain-run --backend mpi: started although the ranks are no MPI job"
+elif grep -q 'Backend::kMpi needs every rank to be a process of one MPI job, but rank 0 is MPI rank 0 of 1 and rank 1 is MPI rank 0 of 1: start the job with an MPI launcher' "$tmp/nompi.log"; then
+  echo "ok: dtrain-run --backend mpi: refused ('Backend::kMpi needs every rank to be a process of one MPI job, ...')"
+else
+  fail "dtrain-run --backend mpi: no rank names the fix"
+  tail -n 20 "$tmp/nompi.log"
 fi
 
 # --- two hosts: mpirun in A; orted in B through the agent; ranks 0-1 in A, 2-3 in B.
