@@ -83,6 +83,16 @@ two_hosts() {  # NAME NPROC_PER_HOST BACKEND
   wait "$other"
 }
 
+# Open MPI's own all-reduce at the largest size (benchmarks/mpi_allreduce.c), one host: what
+# the MPI library gives without dtrain.
+mpicc -O2 -o "$out/mpi_allreduce" "$root/benchmarks/mpi_allreduce.c"
+: >"$out/raw_mpi.txt"
+for n in 2 4; do
+  log "mpirun -np $n mpi_allreduce ${MAX_BYTES:-67108864} 4"
+  "${mpirun[@]}" -np "$n" "$out/mpi_allreduce" "${MAX_BYTES:-67108864}" 4 |
+    sed "s/^/one_x${n} /" >>"$out/raw_mpi.txt"
+done
+
 cases=()
 for n in 2 4; do
   for b in gloo shm mpi; do
@@ -134,7 +144,8 @@ for c in cases:
         if key not in keys:
             keys.append(key)
         bw[key, c] = float(row["busbw"]) / 1e9
-        t[key, c] = float(row["real_time"])  # Google Benchmark's unit (see time_unit)
+        scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[row["time_unit"]]
+        t[key, c] = float(row["real_time"]) * scale  # microseconds
 print("Bus bandwidth, GB/s (nccl-tests' convention), rank 0's mean:\n")
 print("| collective | size | " + " | ".join(cases) + " |")
 print("| --- | --- |" + " --- |" * len(cases))
@@ -154,6 +165,13 @@ for setting in settings:
         others = [v for o, v in times.items() if o != b and v]
         cells.append(f"{times[b] / min(others):.2f}x" if times[b] and others else "n/a")
     print(f"| {setting} | " + " | ".join(cells) + " |")
+print(f"\nOpen MPI's own all-reduce of {big[1]} on one host (benchmarks/mpi_allreduce.c), against dtrain's MPI engine:\n")
+print("| setting | call | mean time | busbw GB/s | dtrain mpi time / this |\n| --- | --- | --- | --- | --- |")
+for line in open(out / "raw_mpi.txt"):
+    setting, call, nbytes, us, busbw = line.split()
+    mine = t.get((big, f"{setting}_mpi"))
+    ratio = f"{mine / float(us):.2f}x" if mine else "n/a"
+    print(f"| {setting} | {call} | {float(us) / 1e3:.1f} ms | {float(busbw):.2f} | {ratio} |")
 print("\nGPT-2 tiny, DDP x4 on one host, tokens/s (median of steps 6..end, rank 0):\n")
 print("| backend | tokens/s | step_time_s | final loss |\n| --- | --- | --- | --- |")
 for b in ("gloo", "shm", "mpi"):

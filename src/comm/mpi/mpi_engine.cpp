@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <deque>
@@ -68,6 +69,15 @@ struct Call {
   std::vector<CallHeader> headers;
   at::Tensor staged;  // a copy of an input that overlaps the output
   MPI_Request request = MPI_REQUEST_NULL;
+  // An all-reduce or reduce-scatter in pieces (Pipeline::kPieceBytes): those in flight, the
+  // reduce-scatter's packed inputs of those, and the first output element not started yet.
+  std::deque<MPI_Request> pieces;
+  std::deque<at::Tensor> packed;
+  int64_t next = 0;
+  // Every MPI operation of the call's data started: later calls may start theirs.
+  bool all_started = false;
+
+  bool holds_requests() const { return request != MPI_REQUEST_NULL || !pieces.empty(); }
   Clock::time_point deadline;
 
   const ErrorContext& context() const { return collective ? coll.context : p2p.context; }
@@ -110,7 +120,7 @@ class Pipeline final : public Progressable {
       }
       if (call.collective && call.phase != Call::Phase::kDone) {
         collective_pending = true;
-        if (call.phase != Call::Phase::kData) header_pending = true;
+        if (!call.all_started) header_pending = true;
       }
     }
     for (auto it = calls_.begin(); it != calls_.end();) {
@@ -162,9 +172,70 @@ class Pipeline final : public Progressable {
     if (call.phase == Call::Phase::kData) {
       if (call.collective && collective_pending) return expire(call);
       MPI_Status status;
-      if (!test(call, &status)) return expire(call);
+      if (!test(call, &status) || !pieces_done(call)) return expire(call);
       finish(call, status);
     }
+  }
+
+  // Large all-reduces and reduce-scatters run as pieces of about this many bytes per rank,
+  // this many in flight: Open MPI's nonblocking collectives (libnbc) lose most of their
+  // bandwidth on messages far beyond the caches (docs/benchmarks.md, "MPI backend").
+  static constexpr int64_t kPieceBytes = 256 << 10;
+  static constexpr size_t kPiecesInFlight = 4;
+
+  // Elements of the call's output per piece.
+  int64_t piece_elements(const Collective& c) const {
+    const int64_t per = c.op == CollectiveOp::kReduceScatter ? world_ : 1;
+    return std::max<int64_t>(1,
+                             kPieceBytes / (static_cast<int64_t>(c.tensor.element_size()) * per));
+  }
+
+  // Starts pieces of `call` while fewer than kPiecesInFlight are in flight. A reduce-scatter's
+  // piece reduces the same columns of every rank's block, packed into one buffer first.
+  void feed(Call& call) {
+    const Collective& c = call.coll;
+    const at::Tensor& t = c.tensor;
+    const int64_t total = t.numel();
+    const int64_t step = piece_elements(c);
+    const MPI_Datatype type = datatype(t.scalar_type());
+    const MPI_Op op = runtime_->reductions().op(t.scalar_type(), c.reduce);
+    auto* base = static_cast<char*>(t.data_ptr());
+    while (call.next < total && call.pieces.size() < kPiecesInFlight) {
+      const int64_t n = std::min(step, total - call.next);
+      void* out = base + call.next * static_cast<int64_t>(t.element_size());
+      MPI_Request r = MPI_REQUEST_NULL;
+      if (c.op == CollectiveOp::kAllReduce) {
+        check_mpi(MPI_Iallreduce(MPI_IN_PLACE, out, static_cast<int>(n), type, op, data_, &r),
+                  c.context, "MPI_Iallreduce");
+      } else {
+        const at::Tensor& input = call.staged.defined() ? call.staged : c.input;
+        at::Tensor packed = input.view({world_, total}).narrow(1, call.next, n).contiguous();
+        check_mpi(MPI_Ireduce_scatter_block(packed.data_ptr(), out, static_cast<int>(n), type, op,
+                                            data_, &r),
+                  c.context, "MPI_Ireduce_scatter_block");
+        call.packed.push_back(std::move(packed));
+      }
+      call.pieces.push_back(r);
+      call.next += n;
+    }
+    call.all_started = call.next >= total;
+  }
+
+  // Whether every piece of `call` completed (true for calls not in pieces); starts more.
+  bool pieces_done(Call& call) {
+    while (!call.pieces.empty()) {
+      int done = 0;
+      MPI_Status status;
+      const int rc = MPI_Test(&call.pieces.front(), &done, &status);
+      if (rc != MPI_SUCCESS) {
+        throw CommError(call.context(), fmt::format("MPI_Test: {}", error_string(rc)));
+      }
+      if (done == 0) break;
+      call.pieces.pop_front();
+      if (!call.packed.empty()) call.packed.pop_front();
+      if (!call.all_started) feed(call);
+    }
+    return call.pieces.empty();
   }
 
   // Whether call.request completed (a null request has); throws what MPI reports.
@@ -223,6 +294,11 @@ class Pipeline final : public Progressable {
                           : MPI_OP_NULL;
     switch (c.op) {
       case CollectiveOp::kAllReduce:
+        if (c.tensor.numel() > piece_elements(c)) {
+          call.phase = Call::Phase::kData;
+          feed(call);
+          return;
+        }
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, c.tensor.data_ptr(), count, type, op, data_,
                                  &call.request),
                   ctx, "MPI_Iallreduce");
@@ -252,6 +328,11 @@ class Pipeline final : public Progressable {
           call.staged = c.input.clone();
           send = call.staged.data_ptr();
         }
+        if (c.tensor.numel() > piece_elements(c)) {
+          call.phase = Call::Phase::kData;
+          feed(call);
+          return;
+        }
         check_mpi(MPI_Ireduce_scatter_block(send, c.tensor.data_ptr(), count, type, op, data_,
                                             &call.request),
                   ctx, "MPI_Ireduce_scatter_block");
@@ -261,6 +342,7 @@ class Pipeline final : public Progressable {
         check_mpi(MPI_Ibarrier(data_, &call.request), ctx, "MPI_Ibarrier");
         break;
     }
+    call.all_started = true;
     call.phase = Call::Phase::kData;
   }
 
@@ -298,7 +380,7 @@ class Pipeline final : public Progressable {
         MPI_Cancel(&call.request);
         MPI_Wait(&call.request, MPI_STATUS_IGNORE);  // a cancelled recv completes at once
       }
-      if (call.request != MPI_REQUEST_NULL) {
+      if (call.holds_requests()) {
         runtime_->note_abandoned();
         abandoned_.push_back(std::move(call));
       }
