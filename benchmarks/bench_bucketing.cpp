@@ -32,6 +32,7 @@
 #include "bench_common.h"
 #include "dtrain/data_parallel.h"
 #include "model.h"
+#include "strategy/inspect.h"
 
 ABSL_FLAG(std::string, model, "tiny", "GPT-2 preset of the example model: tiny | paper-27m | gpt2");
 ABSL_FLAG(int64_t, vocab_size, 0, "override the preset's vocabulary (0: keep)");
@@ -232,7 +233,7 @@ void run(benchmark::State& state, const std::string& name, Communicator& comm, d
   const double k = static_cast<double>(state.iterations());
   const double tokens_per_step = static_cast<double>(cfg.batch * T * comm.world_size());
   state.counters["bucket_cap_mb"] = cap_mb;
-  state.counters["buckets"] = static_cast<double>(ddp.bucket_assignment().size());
+  state.counters["buckets"] = static_cast<double>(detail::Inspect::bucket_assignment(ddp).size());
   state.counters["comm_total_ms"] = total_s / k * 1e3;
   state.counters["comm_wait_ms"] = wait_s / k * 1e3;
   state.counters["hidden"] = total_s > 0 ? 1.0 - wait_s / total_s : 0.0;

@@ -42,6 +42,10 @@ struct DataParallelOptions {
   StepChecks step_checks = StepChecks::kAuto;
 };
 
+namespace detail {
+struct Inspect;
+}  // namespace detail
+
 class DataParallel final : public Strategy {
  public:
   DataParallel(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
@@ -65,9 +69,7 @@ class DataParallel final : public Strategy {
   // backward() accumulates into the buckets without communicating; the first synced backward
   // reduces the accumulated sum.
 
-  // Bucket layout: parameter indices (in module->parameters() order) of each bucket, in
-  // launch order; and the launch order observed in the last synced backward.
-  std::vector<std::vector<size_t>> bucket_assignment() const;
+  // The bucket launch order observed in the last synced backward.
   std::vector<int> last_launch_order() const;
 
  protected:
@@ -76,17 +78,9 @@ class DataParallel final : public Strategy {
   void forward_failed(std::exception_ptr error) noexcept override;
 
  private:
+  friend struct detail::Inspect;  // tests' and benchmarks' view of the buckets (src/)
   class Reducer;
   std::unique_ptr<Reducer> reducer_;
 };
-
-// Groups parameters into buckets for DataParallel: walks `order` (indices into sizes),
-// starting a new bucket when adding the next parameter would exceed the cap (the first
-// bucket's cap is first_cap_bytes) or when the dtype changes. A parameter larger than
-// the cap gets a bucket of its own. Exposed for tests and tools.
-std::vector<std::vector<size_t>> assign_buckets(const std::vector<size_t>& order,
-                                                const std::vector<int64_t>& bytes,
-                                                const std::vector<int>& dtype_ids,
-                                                int64_t first_cap_bytes, int64_t cap_bytes);
 
 }  // namespace dtrain

@@ -261,6 +261,10 @@ struct FsdpOptions {
   StepChecks step_checks = StepChecks::kAuto;
 };
 
+namespace detail {
+struct Inspect;
+}  // namespace detail
+
 class FullyShardedDataParallel final : public Strategy {
  public:
   FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
@@ -298,14 +302,6 @@ class FullyShardedDataParallel final : public Strategy {
   // This rank's shards with the metadata needed to reassemble them (unit, offsets, sizes).
   std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();
 
-  // Collectives issued in the last step, e.g. "all_gather:h.0", "reduce_scatter:h.1"
-  // (for tests and tuning of prefetch policies).
-  std::vector<std::string> last_collective_log() const;
-  // Unit names in execution (forward) order, as recorded in the first iteration.
-  std::vector<std::string> unit_order() const;
-
-  class Impl;
-
  protected:
   std::vector<at::Tensor> stepped_tensors() override;
   void begin_forward() override;
@@ -313,6 +309,8 @@ class FullyShardedDataParallel final : public Strategy {
   void forward_failed(std::exception_ptr error) noexcept override;
 
  private:
+  friend struct detail::Inspect;  // tests' view of the schedule (src/strategy/inspect.h)
+  class Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -1,9 +1,9 @@
 #include <fmt/format.h>
 
-#include "dtrain/data_parallel.h"
 #include "dtrain/errors.h"
+#include "strategy/inspect.h"
 
-namespace dtrain {
+namespace dtrain::detail {
 
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<size_t>& order,
                                                 const std::vector<int64_t>& bytes,
@@ -36,4 +36,4 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<size_t>& order
   return buckets;
 }
 
-}  // namespace dtrain
+}  // namespace dtrain::detail

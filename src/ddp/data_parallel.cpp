@@ -16,6 +16,7 @@
 #include "comm/control_plane.h"
 #include "compat/torch_compat.h"
 #include "dtrain/errors.h"
+#include "strategy/inspect.h"
 #include "strategy/module_sync.h"
 #include "strategy/state_layout.h"
 #include "strategy/step_sync.h"
@@ -184,8 +185,8 @@ void DataParallel::Reducer::build_buckets(const std::vector<size_t>& order) {
                 static_cast<int>(params_[i].device().type()) * 64 + params_[i].device().index() + 1;
   }
   auto mb = [](double m) { return static_cast<int64_t>(m * 1024 * 1024); };
-  assignment_ = assign_buckets(order, bytes, dtypes, mb(options_.first_bucket_cap_mb),
-                               mb(options_.bucket_cap_mb));
+  assignment_ = detail::assign_buckets(order, bytes, dtypes, mb(options_.first_bucket_cap_mb),
+                                       mb(options_.bucket_cap_mb));
   buckets_.clear();
   grad_views_.assign(params_.size(), at::Tensor());
   bucket_of_.assign(params_.size(), 0);
@@ -595,9 +596,14 @@ void DataParallel::forward_failed(std::exception_ptr error) noexcept {
   reducer_->forward_failed(std::move(error));
 }
 void DataParallel::finish() { reducer_->finish(); }
-std::vector<std::vector<size_t>> DataParallel::bucket_assignment() const {
-  return reducer_->assignment_;
-}
 std::vector<int> DataParallel::last_launch_order() const { return reducer_->launch_order_; }
+
+namespace detail {
+
+std::vector<std::vector<size_t>> Inspect::bucket_assignment(const DataParallel& ddp) {
+  return ddp.reducer_->assignment_;
+}
+
+}  // namespace detail
 
 }  // namespace dtrain

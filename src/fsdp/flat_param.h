@@ -97,8 +97,6 @@ class FlatParam {
   const at::Tensor& full() const { return full_; }
   // Whether shard() and full() are one memory (one shard, fp32 compute, no offload).
   bool shares_memory() const { return shares_memory_; }
-  // Whether the shard is in host memory while full is on a device (FlatParamOptions::offload).
-  bool offloaded() const { return offloaded_; }
 
   bool released() const;
   // Bytes of full's memory when it holds data.

@@ -25,6 +25,7 @@
 #include "fsdp/active.h"
 #include "fsdp/fsdp_impl.h"
 #include "fsdp/unit_plan.h"
+#include "strategy/inspect.h"
 #include "strategy/module_sync.h"
 
 namespace dtrain {
@@ -589,11 +590,16 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::sharde
 }
 StateLayout FullyShardedDataParallel::state_layout() { return impl_->state_layout(); }
 void FullyShardedDataParallel::state_loaded() { impl_->state_loaded(); }
-std::vector<std::string> FullyShardedDataParallel::last_collective_log() const {
-  return impl_->schedule().log();
+
+namespace detail {
+
+std::vector<std::string> Inspect::last_collective_log(const FullyShardedDataParallel& fsdp) {
+  return fsdp.impl_->schedule().log();
 }
-std::vector<std::string> FullyShardedDataParallel::unit_order() const {
-  return impl_->schedule().order_names();
+std::vector<std::string> Inspect::unit_order(const FullyShardedDataParallel& fsdp) {
+  return fsdp.impl_->schedule().order_names();
 }
+
+}  // namespace detail
 
 }  // namespace dtrain

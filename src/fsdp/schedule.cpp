@@ -51,7 +51,7 @@ void Schedule::add_unit(std::string name, const torch::nn::Module* module, FlatP
   const int index = static_cast<int>(units_.size());
   unit_of_module_[module] = index;
   UnitObserver* observer = this;  // the private base, reachable here
-  units_.emplace_back(index, std::move(name), module, std::move(flat), &comms_, observer);
+  units_.emplace_back(index, std::move(name), std::move(flat), &comms_, observer);
   ran_.push_back(0);
   running_.push_back(0);
   Unit& u = units_.back();

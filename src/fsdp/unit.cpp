@@ -62,11 +62,10 @@ const char* Unit::name_of(GradState s) {
   return "?";
 }
 
-Unit::Unit(int index, std::string name, const torch::nn::Module* module, FlatParam flat,
-           const UnitComms* comms, UnitObserver* observer)
+Unit::Unit(int index, std::string name, FlatParam flat, const UnitComms* comms,
+           UnitObserver* observer)
     : index_(index),
       name_(std::move(name)),
-      module_(module),
       flat_(std::move(flat)),
       comms_(comms),
       observer_(observer) {}

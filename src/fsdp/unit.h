@@ -121,13 +121,11 @@ class Unit {
   static const char* name_of(GradState s);
 
   // A new unit is UNSHARDED (its parameters are current in full) and IDLE.
-  Unit(int index, std::string name, const torch::nn::Module* module, FlatParam flat,
-       const UnitComms* comms, UnitObserver* observer);
+  Unit(int index, std::string name, FlatParam flat, const UnitComms* comms, UnitObserver* observer);
   Unit(Unit&&) = default;
 
   int index() const { return index_; }
   const std::string& name() const { return name_; }
-  const torch::nn::Module* module() const { return module_; }
   FlatParam& flat() { return flat_; }
   const FlatParam& flat() const { return flat_; }
   ParamState param_state() const { return state_; }
@@ -183,7 +181,6 @@ class Unit {
 
   int index_;
   std::string name_;
-  const torch::nn::Module* module_;
   FlatParam flat_;
   const UnitComms* comms_;
   UnitObserver* observer_;

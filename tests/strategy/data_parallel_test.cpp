@@ -15,6 +15,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/powersgd.h"
 #include "dtrain/single_device.h"
+#include "strategy/inspect.h"
 #include "strategy/training.h"
 #include "support/check.h"
 #include "support/ranks.h"
@@ -207,16 +208,16 @@ TEST(DataParallelBuckets, AssignmentRespectsCapsDtypesAndOrder) {
   std::vector<int64_t> bytes = {400, 100, 100, 300, 50, 2000};
   std::vector<int> dtype = {0, 0, 0, 0, 1, 0};
   std::vector<size_t> order = {5, 4, 3, 2, 1, 0};
-  auto b = assign_buckets(order, bytes, dtype, /*first=*/100, /*cap=*/500);
+  auto b = detail::assign_buckets(order, bytes, dtype, /*first=*/100, /*cap=*/500);
   // 5 is larger than any cap: alone. 4 has another dtype: alone. Then 3+2+1 = 500 fits
   // the cap, and 0 starts a new bucket.
   std::vector<std::vector<size_t>> want = {{5}, {4}, {3, 2, 1}, {0}};
   EXPECT_EQ(b, want);
   // First-bucket cap applies to the first bucket only.
-  auto c = assign_buckets({1, 2, 3}, {60, 60, 60, 60}, {0, 0, 0, 0}, 100, 1000);
+  auto c = detail::assign_buckets({1, 2, 3}, {60, 60, 60, 60}, {0, 0, 0, 0}, 100, 1000);
   std::vector<std::vector<size_t>> want_c = {{1}, {2, 3}};
   EXPECT_EQ(c, want_c);
-  EXPECT_THROW(assign_buckets({7}, bytes, dtype, 100, 500), InvalidArgument);
+  EXPECT_THROW(detail::assign_buckets({7}, bytes, dtype, 100, 500), InvalidArgument);
 }
 
 // Four 4x4 matrices applied as a chain in an order each rank chooses. A parameter's gradient
@@ -357,10 +358,10 @@ TEST(DataParallelBuckets, RebuildUsesRankZerosReadyOrderOnEveryRank) {
     const int r = comm.rank();
     ChainRank me(comm, /*rebuild_buckets=*/true);
     me.step(use_order[r], r);
-    before[r] = me.ddp.bucket_assignment();
+    before[r] = detail::Inspect::bucket_assignment(me.ddp);
     me.hook->log.clear();
     me.step(use_order[r], r);
-    after[r] = me.ddp.bucket_assignment();
+    after[r] = detail::Inspect::bucket_assignment(me.ddp);
     logs[r] = me.hook->log;
     reduced[r] = grads(me.chain);
   });

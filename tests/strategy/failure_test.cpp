@@ -16,6 +16,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/single_device.h"
+#include "strategy/inspect.h"
 #include "strategy/training.h"
 #include "support/check.h"
 #include "support/ranks.h"
@@ -112,7 +113,7 @@ TEST_P(FsdpWeightSharing, UnitRunTwicePerForwardMatchesSingleDevice) {
     };
     FullyShardedDataParallel fsdp(models[r].ptr(), borrow(comm), o);
     run(fsdp, models[r], r * kLocalBatch, kLocalBatch);
-    logs[r] = fsdp.last_collective_log();
+    logs[r] = detail::Inspect::last_collective_log(fsdp);
     auto state = fsdp.full_state_dict();
     if (r != 0) return;
     for (const auto& [name, t] : state) {

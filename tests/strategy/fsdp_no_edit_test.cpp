@@ -24,6 +24,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/single_device.h"
+#include "strategy/inspect.h"
 #include "support/check.h"
 #include "support/ranks.h"
 
@@ -165,11 +166,11 @@ TEST_P(FsdpSequential, StockEncoderLayersAreUnitsAndMatchSingleDevice) {
       }
       train(fsdp, d, r * kLocalBatch, kLocalBatch,
             [&](const at::Tensor& x, const at::Tensor& y) { return lm_loss(m->forward(x), y); });
-      const auto order = fsdp.unit_order();
+      const auto order = detail::Inspect::unit_order(fsdp);
       DTRAIN_CHECK((order == std::vector<std::string>{"layers.0", "layers.1", "layers.2"}),
                    "unit order {}", fmt::join(order, ", "));
       if (c.sharding == ShardingStrategy::kFullShard && c.world > 1) {
-        const auto log = fsdp.last_collective_log();
+        const auto log = detail::Inspect::last_collective_log(fsdp);
         // A prefetched gather is logged as "all_gather:layers.1 (prefetch)".
         for (const std::string entry : {"all_gather:layers.1", "reduce_scatter:layers.1"}) {
           const bool found = std::any_of(log.begin(), log.end(), [&](const std::string& e) {
@@ -389,7 +390,7 @@ TEST_P(FsdpParamsInBackward, UnreadTableStaysShardedAndTrainingMatchesSingleDevi
       released_after_forward += models[r]->table->weight.storage().nbytes() == 0;
       return loss;
     });
-    const auto log = fsdp.last_collective_log();
+    const auto log = detail::Inspect::last_collective_log(fsdp);
     const auto gathers = std::count(log.begin(), log.end(), "all_gather:table") +
                          std::count(log.begin(), log.end(), "all_gather:table (prefetch)");
     const long in_forward = c.keep_between_calls ? 1 : 2;

@@ -16,6 +16,7 @@
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "strategy/fsdp_ranks.h"
+#include "strategy/inspect.h"
 #include "strategy/training.h"
 #include "support/check.h"
 #include "support/ranks.h"
@@ -59,7 +60,7 @@ TrainedRun train_with(ShardingStrategy sharding, std::optional<ReshardAfterForwa
     auto state = fsdp.full_state_dict();
     if (r == 0) {
       run.state = std::move(state);
-      run.log = fsdp.last_collective_log();
+      run.log = detail::Inspect::last_collective_log(fsdp);
     }
   });
   return run;

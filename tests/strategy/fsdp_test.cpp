@@ -17,6 +17,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/single_device.h"
 #include "strategy/fsdp_ranks.h"
+#include "strategy/inspect.h"
 #include "strategy/training.h"
 #include "support/check.h"
 #include "support/ranks.h"
@@ -271,7 +272,7 @@ std::vector<std::string> step_log(int world, FsdpOptions options) {
     Case c;
     c.model = Model::kTransformer;
     train(c, fsdp, *modules[r], data, r * kLocalBatch, kLocalBatch, nullptr);
-    if (r == 0) log = fsdp.last_collective_log();
+    if (r == 0) log = detail::Inspect::last_collective_log(fsdp);
   });
   return log;
 }
@@ -370,14 +371,14 @@ TEST(FsdpAccumulation, OneReductionPerUnitPerOptimizerStep) {
           micro(0, 1);
         }
         DTRAIN_CHECK(fsdp.requires_gradient_sync(), "the guard restores sync");
-        const auto held = fsdp.last_collective_log();
+        const auto held = detail::Inspect::last_collective_log(fsdp);
         DTRAIN_CHECK(count_prefix(held, "reduce_scatter:") + count_prefix(held, "all_reduce:") == 0,
                      "step {}: no_sync backward reduced: {}", step, fmt::join(held, ", "));
         DTRAIN_CHECK(fsdp.model_state_bytes() - before == held_bytes,
                      "step {}: held gradients take {} bytes, expected {}", step,
                      fsdp.model_state_bytes() - before, held_bytes);
         micro(1, kLocalBatch - 1);
-        const auto synced = fsdp.last_collective_log();
+        const auto synced = detail::Inspect::last_collective_log(fsdp);
         for (const std::string unit : {"(root)", "h0", "h1"}) {
           DTRAIN_CHECK(count_prefix(synced, reduction + unit) == 1,
                        "step {}: {} issued {} times: {}", step, reduction + unit,
@@ -428,7 +429,7 @@ TEST(FsdpOverlap, ReplicaAllReducesAreIssuedDuringBackward) {
                                     std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
       std::vector<std::string> during;
       modules[r]->wpe->weight.register_hook(
-          [&](const at::Tensor&) { during = fsdp.last_collective_log(); });
+          [&](const at::Tensor&) { during = detail::Inspect::last_collective_log(fsdp); });
       auto opt = make_opt(Opt::kSgd, fsdp.parameters());
       for (int step = 0; step < 2; ++step) {
         opt->zero_grad();
@@ -437,7 +438,7 @@ TEST(FsdpOverlap, ReplicaAllReducesAreIssuedDuringBackward) {
         fsdp.backward(
             fsdp.forward([&] { return loss_of(Model::kTransformer, *modules[r], x, y, false); }));
         opt->step();
-        const auto after = fsdp.last_collective_log();
+        const auto after = detail::Inspect::last_collective_log(fsdp);
         for (const auto& entry : setup.issued_by_then) {
           DTRAIN_CHECK(position(during, entry) != std::string::npos,
                        "rank {} step {}: {} not issued during backward; by the root's backward: {}",

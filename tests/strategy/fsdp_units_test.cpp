@@ -307,8 +307,8 @@ void expect_internal_error(const std::function<void()>& fn, const std::string& m
 TEST(FsdpUnit, ShardedPostForwardGathersTheHostPieceBack) {
   UnitComms comms;  // one rank per host: the piece is the whole unit, gathered by a copy
   Recorder rec;
-  Unit u(1, "h0", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{1, 0, at::kBFloat16}),
-         &comms, &rec);
+  Unit u(1, "h0", FlatParam(make_params(), kNames, FlatParamOptions{1, 0, at::kBFloat16}), &comms,
+         &rec);
   const at::Tensor before = u.flat().full().clone();
   u.reshard_to_host();
   EXPECT_EQ(u.param_state(), Unit::ParamState::kShardedPostForward);
@@ -330,8 +330,8 @@ TEST(FsdpUnit, ShardedPostForwardGathersTheHostPieceBack) {
 TEST(FsdpUnit, TransitionsCheckWhereTheyStartFrom) {
   UnitComms comms;  // no groups: gathering is a local copy
   Recorder rec;
-  Unit u(1, "h0", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{1, 0, at::kBFloat16}),
-         &comms, &rec);
+  Unit u(1, "h0", FlatParam(make_params(), kNames, FlatParamOptions{1, 0, at::kBFloat16}), &comms,
+         &rec);
   EXPECT_EQ(u.param_state(), Unit::ParamState::kUnsharded);
   EXPECT_EQ(u.grad_state(), Unit::GradState::kIdle);
   expect_internal_error([&] { u.unshard(""); },
@@ -357,7 +357,7 @@ TEST(FsdpUnit, TransitionsCheckWhereTheyStartFrom) {
 TEST(FsdpUnit, AGradientCycleEndsInTheShardsGradient) {
   UnitComms comms;
   Recorder rec;
-  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms, &rec);
+  Unit u(0, "(root)", FlatParam(make_params(), kNames, FlatParamOptions{}), &comms, &rec);
   for (int step = 1; step <= 2; ++step) {
     u.arm();
     EXPECT_EQ(u.pending(), 3);
@@ -396,7 +396,7 @@ TEST(FsdpUnit, AGradientCycleEndsInTheShardsGradient) {
 TEST(FsdpUnit, HeldGradientsJoinTheNextReduction) {
   UnitComms comms;
   Recorder rec;
-  Unit u(0, "(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}), &comms, &rec);
+  Unit u(0, "(root)", FlatParam(make_params(), kNames, FlatParamOptions{}), &comms, &rec);
   auto give_grads = [&](double v) {
     u.flat().param(0).mutable_grad() = at::full({2, 3}, v);
     u.flat().param(1).mutable_grad() = at::full({4}, v);
