@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "dtrain/fsdp.h"
+#include "dtrain/strategy.h"
 #include "trainer.h"
 
 namespace gpt2 {
@@ -41,7 +41,8 @@ void Trainer::generate_sample() {
                     c_.model));
     return;
   }
-  const bool fsdp = dynamic_cast<dtrain::FullyShardedDataParallel*>(strategy_.get()) != nullptr;
+  // Under FSDP the model runs only inside the strategy's forward, on every rank together.
+  const bool fsdp = !strategy_->module_runs_outside_forward();
   const bool together = fsdp && comm_ && info_.world_size > 1;
   if (!together && !rank0()) return;
   c10::NoGradGuard no_grad;

@@ -293,6 +293,8 @@ class FullyShardedDataParallel final : public Strategy {
   void state_loaded() override;
   void finish() override;
   std::string name() const override { return "fsdp"; }
+  // false: units gather their parameters only inside forward() (Strategy).
+  bool module_runs_outside_forward() const override { return false; }
   int rank() const override;
   int world_size() const override;
 

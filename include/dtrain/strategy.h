@@ -255,6 +255,11 @@ class Strategy {
 
   virtual const StepStats& last_step_stats() const = 0;
   virtual std::string name() const = 0;
+  // Whether the wrapped module may be called directly, outside forward(), e.g. by one rank
+  // alone to evaluate or generate: true for SingleDevice and DataParallel, whose module holds
+  // its whole parameters; false under FSDP, whose units gather theirs only inside forward(),
+  // which every rank then runs together (a unit reached outside it throws InvalidArgument).
+  virtual bool module_runs_outside_forward() const { return true; }
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
 

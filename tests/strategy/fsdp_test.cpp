@@ -252,6 +252,27 @@ void optimizer_over_module_parameters(int world, const std::vector<int>& wrong) 
   }
 }
 
+// What a program asks before calling the module itself (generation on one rank): only FSDP
+// says no, because its units gather their parameters inside forward() alone.
+TEST(FsdpStrategyInterface, ModuleRunsOutsideForwardExceptUnderFsdp) {
+  at::set_num_threads(1);
+  auto model = make_model(Model::kTransformer, 7);
+  SingleDevice single(model);
+  EXPECT_TRUE(static_cast<Strategy&>(single).module_runs_outside_forward());
+  run_ranks(2, [&](Communicator& comm) {
+    auto mine = make_model(Model::kTransformer, 7);
+    auto shared = std::shared_ptr<Communicator>(&comm, [](Communicator*) {});
+    {
+      DataParallel ddp(mine, shared);
+      DTRAIN_CHECK(static_cast<Strategy&>(ddp).module_runs_outside_forward(), "DataParallel");
+    }
+    FsdpOptions o;
+    o.wrap_policy = wrap_modules_named("BlockImpl");
+    FullyShardedDataParallel fsdp(make_model(Model::kTransformer, 7), shared, o);
+    DTRAIN_CHECK(!static_cast<Strategy&>(fsdp).module_runs_outside_forward(), "FSDP");
+  });
+}
+
 TEST(FsdpOptimizer, OverModuleParametersIsRefusedOnEveryRankAtTheFirstStep) {
   optimizer_over_module_parameters(1, {0});
   optimizer_over_module_parameters(2, {0, 1});
