@@ -13,6 +13,7 @@
 
 #include "comm/call_header.h"
 #include "comm/cpu_work.h"
+#include "comm/reduce/reduce_ops.h"
 
 namespace dtrain::mpi_backend {
 namespace {
@@ -163,8 +164,9 @@ class Pipeline final : public Progressable {
     }
     if (call.phase == Call::Phase::kHeader) {
       if (!test(call)) return expire(call);
-      if (world_ > 1) {
+      if (!call.headers.empty()) {  // compared once; cleared so a call held back skips it
         if (auto mismatch = detail::find_mismatch(call.headers)) throw DesyncError(ctx, *mismatch);
+        call.headers.clear();
       }
       if (header_pending) return expire(call);
       start_collective(call);
@@ -292,13 +294,17 @@ class Pipeline final : public Progressable {
     const MPI_Op op = c.tensor.defined()
                           ? runtime_->reductions().op(c.tensor.scalar_type(), c.reduce)
                           : MPI_OP_NULL;
+    if (c.op == CollectiveOp::kReduceScatter && overlaps(c.input, c.tensor)) {
+      call.staged = c.input.clone();  // MPI reads the input while it writes the output
+    }
+    const bool reduction = c.op == CollectiveOp::kAllReduce || c.op == CollectiveOp::kReduceScatter;
+    if (reduction && c.tensor.numel() > piece_elements(c)) {
+      call.phase = Call::Phase::kData;
+      feed(call);
+      return;
+    }
     switch (c.op) {
       case CollectiveOp::kAllReduce:
-        if (c.tensor.numel() > piece_elements(c)) {
-          call.phase = Call::Phase::kData;
-          feed(call);
-          return;
-        }
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, c.tensor.data_ptr(), count, type, op, data_,
                                  &call.request),
                   ctx, "MPI_Iallreduce");
@@ -323,16 +329,7 @@ class Pipeline final : public Progressable {
         break;
       }
       case CollectiveOp::kReduceScatter: {
-        const void* send = c.input.data_ptr();
-        if (overlaps(c.input, c.tensor)) {
-          call.staged = c.input.clone();
-          send = call.staged.data_ptr();
-        }
-        if (c.tensor.numel() > piece_elements(c)) {
-          call.phase = Call::Phase::kData;
-          feed(call);
-          return;
-        }
+        const void* send = (call.staged.defined() ? call.staged : c.input).data_ptr();
         check_mpi(MPI_Ireduce_scatter_block(send, c.tensor.data_ptr(), count, type, op, data_,
                                             &call.request),
                   ctx, "MPI_Ireduce_scatter_block");
@@ -423,7 +420,7 @@ class MpiEngine final : public detail::CollectiveEngine {
                            "CommunicatorOptions::device to stage them through host memory)",
                            what, t.device().str()));
     }
-    if (!is_supported_dtype(t.scalar_type())) {
+    if (!reduce::is_supported_dtype(t.scalar_type())) {
       throw InvalidArgument(
           ctx, fmt::format("{}: dtype {} is not supported", what, c10::toString(t.scalar_type())));
     }

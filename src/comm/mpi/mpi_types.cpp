@@ -34,23 +34,6 @@ int index_of(ReduceOp reduce) {
 
 }  // namespace
 
-bool is_supported_dtype(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::kFloat:
-    case c10::kDouble:
-    case c10::kHalf:
-    case c10::kBFloat16:
-    case c10::kByte:
-    case c10::kChar:
-    case c10::kShort:
-    case c10::kInt:
-    case c10::kLong:
-      return true;
-    default:
-      return false;
-  }
-}
-
 MPI_Datatype datatype(c10::ScalarType dtype) {
   switch (dtype) {
     case c10::kFloat:

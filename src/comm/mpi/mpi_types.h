@@ -12,11 +12,8 @@
 
 namespace dtrain::mpi_backend {
 
-// Whether the MPI engine moves `dtype` (every dtype Gloo moves: float32/64, float16, bfloat16,
-// int8/16/32/64, uint8).
-bool is_supported_dtype(c10::ScalarType dtype);
-
-// The MPI datatype of one element of `dtype` (float16/bfloat16: MPI_UINT16_T).
+// The MPI datatype of one element of `dtype` (float16/bfloat16: MPI_UINT16_T), for the dtypes
+// every CPU transport moves (reduce::is_supported_dtype); MPI_DATATYPE_NULL for others.
 MPI_Datatype datatype(c10::ScalarType dtype);
 
 // MPI's error string for `code`: "MPI_ERR_TRUNCATE: message truncated".
