@@ -355,11 +355,17 @@ TEST(QuantizedReduceScatter, FsdpTwoLevelTrainsLikeFp32OnFewerInterHostBytes) {
   auto train = [&](Quantization q, bool two_level) {
     std::vector<double> first(kWorld), last(kWorld);
     std::atomic<uint64_t> inter{0};
+    // The models are made here, one after another: the threads share the global generator, so
+    // seeding it inside them would race and give each run a different initialisation.
+    std::vector<std::shared_ptr<torch::nn::Module>> models;
+    for (int r = 0; r < kWorld; ++r) {
+      torch::manual_seed(21);
+      models.push_back(Mlp(32, 64, 8).ptr());
+    }
     auto store = make_memory_store();
     run_threads(kWorld, [&](int r) {
       CommunicatorPtr world = make_host_communicator(store, r, hosts);
-      torch::manual_seed(21);
-      auto model = Mlp(32, 64, 8).ptr();
+      auto model = models[r];
       auto& mlp = static_cast<MlpImpl&>(*model);
       FsdpOptions o;
       o.quantize_grads = q;
