@@ -23,6 +23,7 @@
 
 #include "dtrain/comm_hook.h"
 #include "dtrain/deferred_init.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/fused_adamw.h"
 #include "dtrain/host_memory.h"
@@ -324,13 +325,17 @@ void Trainer::setup_model_and_strategy() {
       o.quantize_params = c_.quantize_params;
       o.quantize_grads = c_.quantize_grads;
       o.reshard_after_forward = c_.reshard_after_forward;
+      // The mesh: host groups where the options use them, HYBRID_SHARD's two dimensions.
+      // The same backend and device as the world's communicator.
+      dtrain::DeviceMeshOptions mesh_options;
+      mesh_options.comm = info_.communicator_options(comm_options_);
       if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost) {
         check(store_ != nullptr,
               "--reshard_after_forward host needs several ranks (a launched job)");
       }
       if (c_.reshard_after_forward == dtrain::ReshardAfterForward::kHost ||
           (c_.quantize_grads != dtrain::Quantization::kNone && across_hosts)) {
-        o.host_group = make_host_group();
+        mesh_options.local_world_size = info_.local_world_size;
       }
       if (o.sharding == dtrain::ShardingStrategy::kHybridShard) {
         const int group = c_.shard_group_size > 0 ? c_.shard_group_size : info_.local_world_size;
@@ -338,13 +343,13 @@ void Trainer::setup_model_and_strategy() {
               fmt::format("--sharding hybrid needs several ranks and a world size ({}) that is a "
                           "multiple of the shard group size ({})",
                           info_.world_size, group));
-        // The same backend and device as the world's communicator.
-        auto groups = dtrain::make_hybrid_groups(store_, info_.rank, info_.world_size, group,
-                                                 info_.communicator_options(comm_options_));
-        o.shard_group = groups.shard_group;
-        o.replicate_group = groups.replicate_group;
+        mesh_options.shard_size = group;
       }
-      strategy_ = std::make_shared<dtrain::FullyShardedDataParallel>(module, comm_, o);
+      const dtrain::DeviceMesh mesh =
+          mesh_options.shard_size != 0 || mesh_options.local_world_size != 0
+              ? dtrain::DeviceMesh::create(store_, comm_, mesh_options)
+              : dtrain::DeviceMesh(comm_);
+      strategy_ = std::make_shared<dtrain::FullyShardedDataParallel>(module, mesh, o);
       details =
           fmt::format(", sharding {}, prefetch {}, reduce {}", sharding_flag_name(c_.sharding),
                       prefetch_flag_name(c_.prefetch), to_string(c_.comm_hook));
@@ -354,9 +359,7 @@ void Trainer::setup_model_and_strategy() {
       if (c_.quantize_grads != dtrain::Quantization::kNone) {
         details += fmt::format(", gradients {} on the wire", to_string(c_.quantize_grads));
         const int shard_size =
-            o.sharding == dtrain::ShardingStrategy::kHybridShard ? o.shard_group->world_size()
-            : o.sharding == dtrain::ShardingStrategy::kNoShard   ? 1
-                                                                 : info_.world_size;
+            o.sharding == dtrain::ShardingStrategy::kNoShard ? 1 : mesh.shard_group()->world_size();
         if (across_hosts && info_.local_world_size < shard_size) {
           details += fmt::format(" (in two levels over hosts of {} ranks)", info_.local_world_size);
         }

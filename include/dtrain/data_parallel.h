@@ -79,8 +79,8 @@ class DataParallel final : public Strategy {
 
  private:
   friend struct detail::Inspect;  // tests' and benchmarks' view of the buckets (src/)
-  class Reducer;
-  std::unique_ptr<Reducer> reducer_;
+  class Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace dtrain

@@ -85,6 +85,7 @@
 #include "dtrain/blas.h"
 #include "dtrain/communicator.h"
 #include "dtrain/deferred_init.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/quantization.h"
 #include "dtrain/strategy.h"
 
@@ -183,8 +184,9 @@ struct FsdpOptions {
   // no parameters (ParamsInBackward::kNotRead) and forwards without grad mode (nothing to
   // gather for) free the unit fully under kHost too.
   std::optional<ReshardAfterForward> reshard_after_forward;
-  // A communicator of the ranks of this host, e.g. make_host_group(); every rank passes
-  // one or none. Used by:
+  // Deprecated (one release more): give FSDP a DeviceMesh with host groups instead
+  // (DeviceMeshOptions::local_world_size). A communicator of the ranks of this host, e.g.
+  // make_host_group(); every rank passes one or none. Used by:
   //  - ReshardAfterForward::kHost, which gathers over it after forward (any group of ranks
   //    works; its size must divide the shard group's);
   //  - quantize_grads, when it is smaller than the shard group: the reduce-scatter goes in
@@ -236,8 +238,10 @@ struct FsdpOptions {
   // from rank 0 as usual. Unset: the parameters' current values, rank 0's broadcast; a
   // deferred parameter is then an InvalidArgument.
   std::optional<DeferredInit> deferred_init;
-  // HYBRID_SHARD: communicators of this rank's shard group (shard over it) and replicate
-  // group (all-reduce over it); see make_hybrid_groups. Ignored by other strategies.
+  // Deprecated (one release more): give FSDP a 2-D DeviceMesh instead
+  // (DeviceMeshOptions::shard_size). HYBRID_SHARD: communicators of this rank's shard group
+  // (shard over it) and replicate group (all-reduce over it); see make_hybrid_groups.
+  // Ignored by other strategies.
   CommunicatorPtr shard_group;
   CommunicatorPtr replicate_group;
   // Parameters' all-gathers quantised on the wire (ZeRO++'s qwZ; dtrain/quantization.h): each
@@ -267,6 +271,14 @@ struct Inspect;
 
 class FullyShardedDataParallel final : public Strategy {
  public:
+  // Shards (or replicates) over `mesh` (dtrain/device_mesh.h): a 1-D mesh for FULL_SHARD,
+  // SHARD_GRAD_OP and NO_SHARD, a 2-D one (replicate x shard) for HYBRID_SHARD; its host
+  // groups, if any, serve ReshardAfterForward::kHost and two-level quantised gradients.
+  // FsdpOptions::shard_group, replicate_group and host_group must then be unset.
+  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module, DeviceMesh mesh,
+                           FsdpOptions options = {});
+  // Over `comm` as a 1-D mesh; HYBRID_SHARD and the host group from the deprecated
+  // FsdpOptions::shard_group, replicate_group and host_group (one release more).
   FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm,
                            FsdpOptions options = {});
   ~FullyShardedDataParallel() override;
@@ -447,24 +459,5 @@ auto unit_call(torch::nn::Module& module, Fn&& fn,
   });
   return std::move(*out);
 }
-
-// Splits `world` ranks into shard groups of `shard_group_size` consecutive ranks and
-// replicate groups of ranks with the same position in their shard group; connects both
-// through `store`. Every rank calls it.
-struct HybridGroups {
-  CommunicatorPtr shard_group;
-  CommunicatorPtr replicate_group;
-};
-HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int world_size,
-                                int shard_group_size, const CommunicatorOptions& options = {});
-
-// The communicator of this rank's host for FsdpOptions::host_group and
-// quantized_allreduce_hook's host_group (dtrain/quantization.h), with hosts as
-// `local_world_size` consecutive ranks (the launcher's numbering: LOCAL_WORLD_SIZE ranks per
-// host); connects through `store` under the name `<options.name>/host_group<h>` (apart from
-// the keys of the world communicator's own per-host groups). Every rank calls it. Throws
-// InvalidArgument unless local_world_size divides world_size.
-CommunicatorPtr make_host_group(std::shared_ptr<Store> store, int rank, int world_size,
-                                int local_world_size, const CommunicatorOptions& options = {});
 
 }  // namespace dtrain

@@ -19,6 +19,7 @@ class SingleDevice final : public Strategy {
  public:
   explicit SingleDevice(std::shared_ptr<torch::nn::Module> module,
                         SingleDeviceOptions options = {});
+  ~SingleDevice() override;
 
   void backward(const at::Tensor& loss) override;
   std::vector<at::Tensor> parameters() override;
@@ -27,14 +28,21 @@ class SingleDevice final : public Strategy {
   at::Tensor grad_norm_tensor() override;
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state = {}) override;
   StateLayout state_layout() override;
-  const StepStats& last_step_stats() const override { return stats_; }
+  void finish() override;
+  const StepStats& last_step_stats() const override;
   std::string name() const override { return "single"; }
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
 
+ protected:
+  void begin_forward() override;
+  void end_forward(at::Tensor& output) override;
+  void forward_failed(std::exception_ptr error) noexcept override;
+
  private:
-  std::shared_ptr<torch::nn::Module> module_;
-  StepStats stats_;
+  // The step protocol every strategy runs (src/strategy/step_driver.h), with one rank.
+  class Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace dtrain

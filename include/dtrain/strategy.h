@@ -67,7 +67,8 @@ enum class StepChecks {
   kEveryStep,
 };
 
-// What the last step cost in communication. Fields that do not apply are 0.
+// What the last training step cost in communication (an evaluation forward, grad mode off,
+// leaves it alone). Fields that do not apply are 0.
 struct StepStats {
   // Payload bytes of the step's gradient collectives as the strategy hands them over, in the
   // gradients' dtype: DDP the buckets given to its comm hook (a compressing hook sends fewer:

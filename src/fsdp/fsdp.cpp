@@ -34,27 +34,91 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// FsdpOptions::reshard_after_forward resolved against the sharding strategy.
+// FsdpOptions::reshard_after_forward resolved against the sharding strategy. The strategy
+// says whether parameters are freed after forward; reshard_after_forward only says where
+// FULL_SHARD's and HYBRID_SHARD's go (kAll, kHost). A setting that turns one strategy into
+// another (FULL_SHARD + kNone is SHARD_GRAD_OP, SHARD_GRAD_OP + kAll is FULL_SHARD) is the
+// same choice made twice: accepted for one release more, with a warning naming the spelling
+// to use.
 ReshardAfterForward after_forward(const FsdpOptions& options, const ErrorContext& ctx) {
   const bool frees = options.sharding == ShardingStrategy::kFullShard ||
                      options.sharding == ShardingStrategy::kHybridShard;
   if (!options.reshard_after_forward) {
     return frees ? ReshardAfterForward::kAll : ReshardAfterForward::kNone;
   }
-  if (options.sharding == ShardingStrategy::kNoShard &&
-      *options.reshard_after_forward != ReshardAfterForward::kNone) {
+  const ReshardAfterForward want = *options.reshard_after_forward;
+  if (options.sharding == ShardingStrategy::kNoShard && want != ReshardAfterForward::kNone) {
     throw InvalidArgument(ctx,
                           "NO_SHARD keeps every parameter: reshard_after_forward must be "
                           "unset or kNone");
   }
-  return *options.reshard_after_forward;
+  // One warning per job, from rank 0.
+  if (frees && want == ReshardAfterForward::kNone && ctx.rank == 0) {
+    TORCH_WARN(
+        "dtrain FSDP: reshard_after_forward kNone with FULL_SHARD is SHARD_GRAD_OP (HYBRID_SHARD: "
+        "_HYBRID_SHARD_ZERO2 in PyTorch); this spelling is deprecated, set "
+        "ShardingStrategy::kShardGradOp instead (docs/strategies.md, \"Sharding options\")");
+  }
+  if (options.sharding == ShardingStrategy::kShardGradOp && want != ReshardAfterForward::kNone &&
+      ctx.rank == 0) {
+    TORCH_WARN(
+        "dtrain FSDP: SHARD_GRAD_OP keeps parameters after forward; reshard_after_forward kAll "
+        "or kHost makes it FULL_SHARD. This spelling is deprecated: set "
+        "ShardingStrategy::kFullShard with that reshard_after_forward instead "
+        "(docs/strategies.md, \"Sharding options\")");
+  }
+  return want;
 }
 
-fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& options,
+// The deprecated FsdpOptions groups as a mesh over `comm`.
+DeviceMesh mesh_from_options(const CommunicatorPtr& comm, const FsdpOptions& o) {
+  if (!comm) throw InvalidArgument("FullyShardedDataParallel: communicator is null");
+  if (o.sharding != ShardingStrategy::kHybridShard) {
+    return DeviceMesh::from_groups(comm, nullptr, nullptr, o.host_group);
+  }
+  if (!o.shard_group || !o.replicate_group) {
+    throw InvalidArgument(
+        ErrorContext{comm->rank(), comm->world_size(), "FullyShardedDataParallel()", -1},
+        "HYBRID_SHARD needs a 2-D mesh (DeviceMesh::create with DeviceMeshOptions::shard_size) "
+        "or FsdpOptions::shard_group and replicate_group (see make_hybrid_groups)");
+  }
+  return DeviceMesh::from_groups(comm, o.shard_group, o.replicate_group, o.host_group);
+}
+
+// The options without the groups mesh_from_options took (a copy: the constructor's other
+// argument reads the same options, in an unspecified order).
+FsdpOptions without_groups(const FsdpOptions& options) {
+  FsdpOptions o = options;
+  o.shard_group = nullptr;
+  o.replicate_group = nullptr;
+  o.host_group = nullptr;
+  return o;
+}
+
+CommunicatorPtr checked(CommunicatorPtr comm, const std::shared_ptr<torch::nn::Module>& module,
+                        const FsdpOptions& o) {
+  const ErrorContext ctx{comm->rank(), comm->world_size(), "FullyShardedDataParallel()", -1};
+  if (!module) throw InvalidArgument(ctx, "module is null");
+  if (o.limit_all_gathers < 1) throw InvalidArgument(ctx, "limit_all_gathers must be >= 1");
+  return comm;
+}
+
+fsdp::UnitComms make_comms(const DeviceMesh& mesh, const FsdpOptions& options,
                            const ErrorContext& ctx) {
+  if (options.shard_group || options.replicate_group || options.host_group) {
+    throw InvalidArgument(ctx,
+                          "the groups are given twice: with a DeviceMesh, leave "
+                          "FsdpOptions::shard_group, replicate_group and host_group unset");
+  }
+  const CommunicatorPtr& comm = mesh.world();
   fsdp::UnitComms c;
   c.rank = comm->rank();
   c.world_size = comm->world_size();
+  if (options.sharding != ShardingStrategy::kHybridShard && mesh.ndim() == 2) {
+    throw InvalidArgument(ctx,
+                          "a 2-D mesh (replicate x shard) is HYBRID_SHARD's: set "
+                          "ShardingStrategy::kHybridShard, or pass a 1-D mesh");
+  }
   switch (options.sharding) {
     case ShardingStrategy::kFullShard:
     case ShardingStrategy::kShardGradOp:
@@ -64,19 +128,16 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
       if (comm->world_size() > 1) c.replicate = comm;
       break;
     case ShardingStrategy::kHybridShard:
-      if (!options.shard_group || !options.replicate_group) {
+      if (mesh.ndim() != 2) {
         throw InvalidArgument(ctx,
-                              "HYBRID_SHARD needs FsdpOptions::shard_group and replicate_group "
-                              "(see make_hybrid_groups)");
+                              "HYBRID_SHARD needs a 2-D mesh (DeviceMesh::create with "
+                              "DeviceMeshOptions::shard_size)");
       }
-      if (options.shard_group->world_size() * options.replicate_group->world_size() !=
-          comm->world_size()) {
-        throw InvalidArgument(ctx, "shard group size x replicate group size must equal world size");
-      }
-      if (options.shard_group->world_size() > 1) c.shard = options.shard_group;
-      if (options.replicate_group->world_size() > 1) c.replicate = options.replicate_group;
+      if (mesh.shard_group()->world_size() > 1) c.shard = mesh.shard_group();
+      if (mesh.replicate_group()->world_size() > 1) c.replicate = mesh.replicate_group();
       break;
   }
+  const CommunicatorPtr& host_group = mesh.host_group();
   const auto param_dtype = options.mixed_precision.param_dtype.value_or(at::kFloat);
   c.reduce_dtype = options.mixed_precision.reduce_dtype.value_or(param_dtype);
   if (options.quantization_block < 1) {
@@ -87,28 +148,28 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
   c.quantize_grads = options.quantize_grads;
   c.quantization_block = options.quantization_block;
   if (c.shard && after_forward(options, ctx) == ReshardAfterForward::kHost) {
-    if (!options.host_group) {
+    if (!host_group) {
       throw InvalidArgument(ctx,
                             "reshard_after_forward kHost needs FsdpOptions::host_group (the "
-                            "ranks of this host; see make_host_group)");
+                            "ranks of this host; see make_host_group) or a mesh with host "
+                            "groups (DeviceMeshOptions::local_world_size)");
     }
-    c.host_size = options.host_group->world_size();
-    c.host_rank = options.host_group->rank();
+    c.host_size = host_group->world_size();
+    c.host_rank = host_group->rank();
     if (c.shard->world_size() % c.host_size != 0) {
       throw InvalidArgument(
           ctx, fmt::format("reshard_after_forward kHost: the host group's {} ranks must divide the "
                            "shard group's {}",
                            c.host_size, c.shard->world_size()));
     }
-    if (c.host_size > 1) c.host = options.host_group;
+    if (c.host_size > 1) c.host = host_group;
   }
   // Quantised gradients go in two levels where the host group is a proper part of the
   // shard group: each value then crosses hosts once, as its host's sum.
-  if (c.shard && c.quantize_grads != Quantization::kNone && options.host_group &&
-      options.host_group->world_size() > 1 &&
-      options.host_group->world_size() < c.shard->world_size()) {
-    detail::check_host_layout(*c.shard, *options.host_group);
-    c.grad_host = options.host_group;
+  if (c.shard && c.quantize_grads != Quantization::kNone && host_group &&
+      host_group->world_size() > 1 && host_group->world_size() < c.shard->world_size()) {
+    detail::check_host_layout(*c.shard, *host_group);
+    c.grad_host = host_group;
   }
   return c;
 }
@@ -116,21 +177,16 @@ fsdp::UnitComms make_comms(const CommunicatorPtr& comm, const FsdpOptions& optio
 }  // namespace
 
 FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
-                                     CommunicatorPtr comm, FsdpOptions options)
-    : comm_(std::move(comm)),
+                                     const DeviceMesh& mesh, FsdpOptions options)
+    : comm_(checked(mesh.world(), module, options)),
       module_(std::move(module)),
       options_(std::move(options)),
-      steps_(comm_, "FullyShardedDataParallel", options_.step_checks) {
-  if (!comm_) throw InvalidArgument("FullyShardedDataParallel: communicator is null");
-  if (!module_) throw InvalidArgument(ctx("FullyShardedDataParallel()"), "module is null");
-  if (options_.limit_all_gathers < 1) {
-    throw InvalidArgument(ctx("FullyShardedDataParallel()"), "limit_all_gathers must be >= 1");
-  }
-  fsdp::UnitComms comms = make_comms(comm_, options_, ctx("FullyShardedDataParallel()"));
-  wire_ = StepWire({comm_, comms.shard, comms.replicate, comms.host, comms.grad_host});
-  if (comms.shard) {
-    shard_size_ = comms.shard->world_size();
-    shard_rank_ = comms.shard->rank();
+      comms_(make_comms(mesh, options_, ctx("FullyShardedDataParallel()"))),
+      driver_("FullyShardedDataParallel", comm_, options_.step_checks,
+              {comm_, comms_.shard, comms_.replicate, comms_.host, comms_.grad_host}, *this) {
+  if (comms_.shard) {
+    shard_size_ = comms_.shard->world_size();
+    shard_rank_ = comms_.shard->rank();
   }
   param_dtype_ = options_.mixed_precision.param_dtype.value_or(at::kFloat);
   // One warning per job, not per rank.
@@ -161,32 +217,24 @@ FullyShardedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module,
   so.forward_prefetch = options_.forward_prefetch;
   so.limit_all_gathers = options_.limit_all_gathers;
   so.keep_gathered_between_calls = options_.keep_gathered_between_calls;
-  schedule_ = std::make_unique<fsdp::Schedule>(so, std::move(comms));
+  schedule_ = std::make_unique<fsdp::Schedule>(so, comms_, driver_.failure());
 
   const auto& deferred = options_.deferred_init;
   if (deferred && !deferred->init) {
     throw InvalidArgument(ctx("FullyShardedDataParallel()"),
                           "FsdpOptions::deferred_init has no init function");
   }
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  std::vector<at::Tensor> everything;  // what rank 0 broadcasts
   for (const auto& item : module_->named_parameters(true)) {
-    named.emplace_back(item.key(), item.value());
-    if (deferred) continue;  // every rank computes the same initial values
-    if (is_deferred(item.value())) {
+    if (!deferred && is_deferred(item.value())) {
       throw InvalidArgument(ctx("FullyShardedDataParallel()"),
                             "parameter '" + item.key() +
                                 "' is deferred (dtrain::defer_parameters: no memory); set "
                                 "FsdpOptions::deferred_init to materialise it");
     }
-    everything.push_back(item.value());
   }
-  for (const auto& item : module_->named_buffers(true)) {
-    named.emplace_back("buffer " + item.key(), item.value());
-    everything.push_back(item.value());
-  }
-  verify_same_model(*comm_, named, "FullyShardedDataParallel()");
-  broadcast_from_rank0(*comm_, everything);
+  // With deferred_init every rank computes the same initial parameter values.
+  agree_on_initial_state(*comm_, *module_, "FullyShardedDataParallel()",
+                         /*broadcast_parameters=*/!deferred);
   if (deferred) {
     // Frozen parameters belong to no unit: each rank keeps the whole initial value.
     for (const auto& item : module_->named_parameters(true)) {
@@ -349,27 +397,24 @@ void FullyShardedDataParallel::Impl::begin_forward(bool gradient_sync) {
   if (active != nullptr && active != schedule_.get()) {
     throw InvalidArgument(ctx("forward"), "another FSDP forward is running on this thread");
   }
-  training_forward_ = c10::GradMode::is_enabled();
-  wire_.start();  // before the step's first collective
-  // First: a rank that called finish() meets this one here; a misuse ends the step everywhere.
-  steps_.start_step("forward", training_forward_ ? check_optimizer_parameters() : nullptr);
+  // A misuse found before any collective ends the step on every rank.
+  driver_.begin_forward(gradient_sync,
+                        c10::GradMode::is_enabled() ? check_optimizer_parameters() : nullptr);
+  fsdp::set_active_schedule(schedule_.get());
+  enter_forward_autocast();
+}
+
+void FullyShardedDataParallel::Impl::start_forward(bool /*training*/, bool gradient_sync) {
   schedule_->set_gradient_sync(gradient_sync);
   for (size_t i = 0; i < schedule_->num_units(); ++i) {
     schedule_->unit(i).flat().release_unshared_shard_grad();
   }
-  {
-    std::lock_guard<std::mutex> lock(schedule_->mutex());
-    schedule_->clear_log();
-    schedule_->stats() = StepStats{};
-  }
+  schedule_->begin_step();
   try {
     schedule_->begin_forward();
   } catch (...) {
-    std::rethrow_exception(
-        steps_.break_with("forward", "gathering the root unit failed", std::current_exception()));
+    break_step("gathering the root unit failed");
   }
-  fsdp::set_active_schedule(schedule_.get());
-  enter_forward_autocast();
 }
 
 void FullyShardedDataParallel::Impl::enter_forward_autocast() {
@@ -394,117 +439,48 @@ void FullyShardedDataParallel::Impl::leave_forward_autocast() {
   autocast_saved_.reset();
 }
 
-void FullyShardedDataParallel::Impl::end_forward(at::Tensor& /*output*/) {
+void FullyShardedDataParallel::Impl::end_forward() {
   leave_forward_autocast();
   fsdp::set_active_schedule(nullptr);
+  driver_.end_forward();
+}
+
+void FullyShardedDataParallel::Impl::end_forward(bool /*training*/) {
   schedule_->end_forward(*comm_);
-  if (!training_forward_) {
-    // An evaluation forward has no backward: its outcome is agreed here.
-    auto failure = steps_.agree(StepSync::Point::kForwardEnd, "forward", nullptr);
-    {
-      std::lock_guard<std::mutex> lock(schedule_->mutex());
-      schedule_->stats().wire = wire_.finish();
-    }
-    if (failure) {
-      reset_after_failure();  // as the failing rank does: unit states must match for the next step
-      std::rethrow_exception(failure);
-    }
-  }
 }
 
 void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradient_sync) {
-  steps_.check_usable("backward");
-  fsdp::Schedule& s = *schedule_;
-  if (!s.order_recorded()) {
+  driver_.check_usable("backward");
+  if (!schedule_->order_recorded()) {
     throw InvalidArgument(ctx("backward"), "backward() before any forward() through the strategy");
   }
-  {
-    std::lock_guard<std::mutex> lock(s.mutex());
-    s.set_gradient_sync(gradient_sync);
-    s.arm();
-  }
-  std::exception_ptr failure;
-  try {
-    loss.backward();
-  } catch (const c10::Error& e) {
-    failure = std::current_exception();
-    // What a version bump of ParamsInBackward::kNotRead (fsdp/schedule.cpp) looks like.
-    if (s.has_unread_calls() && compat::is_saved_tensor_modified(e)) {
-      failure = std::make_exception_ptr(InvalidArgument(
-          ctx("backward"),
-          "backward read the parameters of a unit called with ParamsInBackward::kNotRead, "
-          "which were freed after its forward (autograd saved them); call it with kRead (the "
-          "default). LibTorch: " +
-              std::string(e.what_without_backtrace())));
-    }
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  std::lock_guard<std::mutex> lock(s.mutex());
-  s.disarm();
-  try {
-    if (s.failed_in_step()) {
-      std::rethrow_exception(failure ? failure
-                                     : std::make_exception_ptr(Error(ctx("backward"), "failed")));
-    }
-    if (failure) {
-      // loss.backward() threw (the user's autograd code, or out of memory): issue what a
-      // peer's backward still issues, then agree.
-      if (comm_->world_size() > 1) {
-        const auto& now = s.backward_log();
-        const auto& last = s.last_backward_log();
-        const bool prefix =
-            now.size() <= last.size() && std::equal(now.begin(), now.end(), last.begin());
-        if (!prefix || last.empty()) {
-          std::rethrow_exception(steps_.break_with(
-              "backward",
-              last.empty()
-                  ? "backward failed before any backward succeeded: the other ranks' "
-                    "remaining collectives are unknown"
-                  : "backward failed after collectives that differ from the last backward's",
-              failure));
-        }
-        s.replay(last, now.size());
-      }
-    } else {
-      s.flush();
-    }
-  } catch (...) {
-    s.end_backward();
-    std::rethrow_exception(steps_.break_with("backward",
-                                             "its collectives may no longer match the other ranks'",
-                                             std::current_exception()));
-  }
-  const auto wait_start = Clock::now();
-  // Waits inside complete() are part of the window measured below.
-  const double waited_before = s.stats().comm_wait_s;
-  if (!failure) {
-    try {
-      s.complete();
-    } catch (...) {
-      s.end_backward();
-      std::rethrow_exception(steps_.break_with(
-          "backward",
-          "a gradient collective failed (a rank that failed where it could not keep its "
-          "collectives in step, exited or ran out of data stops issuing them)",
-          std::current_exception()));
-    }
-  }
-  s.end_backward();
-  const auto done = Clock::now();
-  auto outcome = steps_.agree(StepSync::Point::kBackwardEnd, "backward", failure);
-  s.stats().wire = wire_.finish();
-  if (outcome) {
-    reset_after_failure();
-    std::rethrow_exception(outcome);
-  }
-  s.keep_backward_log();
-  s.accumulate();
+  driver_.backward(loss, gradient_sync);
+}
 
-  StepStats& stats = s.stats();
-  stats.comm_wait_s = waited_before + std::chrono::duration<double>(done - wait_start).count();
-  stats.comm_total_s = std::chrono::duration<double>(done - s.first_reduction()).count();
-  s.reshard_all();  // includes prefetched-but-unused units
+std::exception_ptr FullyShardedDataParallel::Impl::run_backward(const at::Tensor& loss,
+                                                                bool gradient_sync) {
+  fsdp::Schedule& s = *schedule_;
+  s.set_gradient_sync(gradient_sync);
+  return s.backward(
+      [&] {
+        try {
+          loss.backward();
+        } catch (const c10::Error& e) {
+          // What a version bump of ParamsInBackward::kNotRead (fsdp/schedule.cpp) looks like.
+          if (!s.has_unread_calls() || !compat::is_saved_tensor_modified(e)) throw;
+          throw InvalidArgument(
+              ctx("backward"),
+              "backward read the parameters of a unit called with ParamsInBackward::kNotRead, "
+              "which were freed after its forward (autograd saved them); call it with kRead "
+              "(the default). LibTorch: " +
+                  std::string(e.what_without_backtrace()));
+        }
+      },
+      comm_->world_size());
+}
+
+void FullyShardedDataParallel::Impl::commit_backward(bool /*gradient_sync*/) {
+  schedule_->commit_backward();
 }
 
 // --- failures ---
@@ -512,53 +488,40 @@ void FullyShardedDataParallel::Impl::backward(const at::Tensor& loss, bool gradi
 void FullyShardedDataParallel::Impl::forward_failed(std::exception_ptr error) {
   leave_forward_autocast();
   fsdp::set_active_schedule(nullptr);
-  if (steps_.broken()) return;
-  fsdp::Schedule& s = *schedule_;
-  try {
-    if (comm_->world_size() > 1) {
-      if (s.failed_in_step()) {
-        std::rethrow_exception(steps_.break_with(
-            "forward", "its collectives may no longer match the other ranks'", error));
-      }
-      if (!s.order_recorded() || (training_forward_ && s.last_backward_log().empty())) {
-        std::rethrow_exception(steps_.break_with(
-            "forward",
-            "the first step failed before FSDP recorded its schedule: the other ranks' "
-            "remaining collectives are unknown",
-            error));
-      }
-      s.finish_forward_as_peers_do();
-      if (training_forward_) s.replay(s.last_backward_log(), 0);
-    }
-    steps_.agree(training_forward_ ? StepSync::Point::kBackwardEnd : StepSync::Point::kForwardEnd,
-                 "forward", error);
-  } catch (...) {
-    steps_.break_with("forward", "its collectives may no longer match the other ranks'",
-                      std::current_exception());
-    return;  // broken: the next call throws; forward() rethrows `error` now
-  }
-  reset_after_failure();
+  driver_.forward_failed(std::move(error));
 }
 
-void FullyShardedDataParallel::Impl::reset_after_failure() { schedule_->reset(); }
+void FullyShardedDataParallel::Impl::issue_as_peers_do(bool training, bool /*gradient_sync*/) {
+  schedule_->issue_as_peers_do(training, comm_->world_size());
+}
+
+// Unit states must match the peers' for the next step, also after a failed evaluation.
+void FullyShardedDataParallel::Impl::reset_after_failure(bool /*training*/) noexcept {
+  schedule_->reset();
+}
 
 void FullyShardedDataParallel::Impl::finish() {
   if (fsdp::active_schedule() == schedule_.get()) fsdp::set_active_schedule(nullptr);
-  steps_.finish();
+  driver_.finish();
 }
 
 // --- public wrapper ---
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                                                   CommunicatorPtr comm, FsdpOptions options)
-    : impl_(std::make_unique<Impl>(std::move(module), std::move(comm), std::move(options))) {
+                                                   DeviceMesh mesh, FsdpOptions options)
+    : impl_(std::make_unique<Impl>(std::move(module), mesh, std::move(options))) {
   // Here, not in Impl's constructor: its locals held every parameter until it returned.
   impl_->record_param_refs();
 }
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                   CommunicatorPtr comm, FsdpOptions options)
+    : FullyShardedDataParallel(std::move(module), mesh_from_options(comm, options),
+                               without_groups(options)) {}
 FullyShardedDataParallel::~FullyShardedDataParallel() = default;
 
 void FullyShardedDataParallel::begin_forward() { impl_->begin_forward(requires_gradient_sync()); }
-void FullyShardedDataParallel::end_forward(at::Tensor& output) { impl_->end_forward(output); }
+void FullyShardedDataParallel::end_forward(at::Tensor& /*output*/) { impl_->end_forward(); }
 void FullyShardedDataParallel::forward_failed(std::exception_ptr error) noexcept {
   impl_->forward_failed(std::move(error));
 }
@@ -578,7 +541,7 @@ int64_t FullyShardedDataParallel::model_state_bytes(
   return impl_->model_state_bytes(optimizer_state);
 }
 const StepStats& FullyShardedDataParallel::last_step_stats() const {
-  return impl_->schedule().stats();
+  return impl_->last_step_stats();
 }
 int FullyShardedDataParallel::rank() const { return impl_->comm()->rank(); }
 int FullyShardedDataParallel::world_size() const { return impl_->comm()->world_size(); }

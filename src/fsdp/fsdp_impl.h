@@ -19,22 +19,22 @@
 #include "fsdp/buffer_pool.h"
 #include "fsdp/schedule.h"
 #include "fsdp/sequential_units.h"
-#include "strategy/step_sync.h"
-#include "strategy/step_wire.h"
+#include "strategy/step_driver.h"
 
 namespace dtrain {
 
-class FullyShardedDataParallel::Impl {
+class FullyShardedDataParallel::Impl final : public StepParticipant {
  public:
-  Impl(std::shared_ptr<torch::nn::Module> module, CommunicatorPtr comm, FsdpOptions options);
+  Impl(std::shared_ptr<torch::nn::Module> module, const DeviceMesh& mesh, FsdpOptions options);
   ~Impl();
 
   // gradient_sync: Strategy::requires_gradient_sync() of the step.
   void begin_forward(bool gradient_sync);
-  void end_forward(at::Tensor& output);
+  void end_forward();
   void forward_failed(std::exception_ptr error);
   void finish();
   void backward(const at::Tensor& loss, bool gradient_sync);
+  const StepStats& last_step_stats() const { return driver_.last_stats(); }
   at::Tensor grad_norm();
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
@@ -60,7 +60,15 @@ class FullyShardedDataParallel::Impl {
   // MixedPrecision::cast_forward_inputs: the autocast region around the forward's fn.
   void enter_forward_autocast();
   void leave_forward_autocast();
-  void reset_after_failure();
+
+  // StepParticipant
+  void start_forward(bool training, bool gradient_sync) override;
+  void end_forward(bool training) override;
+  void issue_as_peers_do(bool training, bool gradient_sync) override;
+  std::exception_ptr run_backward(const at::Tensor& loss, bool gradient_sync) override;
+  void commit_backward(bool gradient_sync) override;
+  void reset_after_failure(bool training) noexcept override;
+  StepStats step_counters() const override { return schedule_->counters(); }
   // A training forward: null, or the InvalidArgument for an optimizer built over the
   // module's parameters (see shards_handed_out_).
   std::exception_ptr check_optimizer_parameters() const;
@@ -75,6 +83,11 @@ class FullyShardedDataParallel::Impl {
   CommunicatorPtr comm_;
   std::shared_ptr<torch::nn::Module> module_;
   FsdpOptions options_;
+  fsdp::UnitComms comms_;  // the options turned into groups
+  // The step protocol. StepStats::wire counts the world's communicator and the units' groups
+  // (shard, replicate, host), from forward()'s start to backward()'s end, plus grad_norm()'s
+  // all-reduce.
+  StepDriver driver_;
   int shard_size_ = 1, shard_rank_ = 0;
   c10::ScalarType param_dtype_ = c10::ScalarType::Float;
   // Gathered-buffer memory shared by units of equal size; declared before schedule_, which
@@ -90,11 +103,6 @@ class FullyShardedDataParallel::Impl {
   // state_loaded()).
   std::map<std::string, c10::ScalarType> buffer_dtypes_;
   std::vector<std::pair<at::Tensor, at::Tensor>> buffer_copies_;  // (module buffer, copy)
-  StepSync steps_;
-  // StepStats::wire over the world's communicator and the units' groups (shard, replicate,
-  // host), from forward()'s start to backward()'s end, plus grad_norm()'s all-reduce.
-  StepWire wire_;
-  bool training_forward_ = false;  // the running forward() has grad mode on
   // cast_forward_inputs: the autocast state of the forward (param_dtype for the parameters'
   // device type), and the caller's while one is entered.
   std::optional<compat::AutocastState> forward_autocast_, autocast_saved_;

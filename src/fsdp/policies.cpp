@@ -1,8 +1,5 @@
 #include <torch/nn/module.h>
 
-#include <fmt/format.h>
-
-#include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
 #include "fsdp/unit_plan.h"
 
@@ -20,39 +17,6 @@ WrapPolicy wrap_by_min_params(int64_t min_params) {
     for (const auto& p : m.parameters(/*recurse=*/true)) n += p.numel();
     return n >= min_params;
   };
-}
-
-HybridGroups make_hybrid_groups(std::shared_ptr<Store> store, int rank, int world_size,
-                                int shard_group_size, const CommunicatorOptions& options) {
-  const ErrorContext ctx{rank, world_size, "make_hybrid_groups", -1};
-  if (shard_group_size < 1 || world_size % shard_group_size != 0) {
-    throw InvalidArgument(ctx, fmt::format("shard group size {} does not divide world size {}",
-                                           shard_group_size, world_size));
-  }
-  const int group = rank / shard_group_size;
-  const int position = rank % shard_group_size;
-  CommunicatorOptions shard = options;
-  shard.name = fmt::format("{}/hybrid/shard{}", options.name, group);
-  CommunicatorOptions replicate = options;
-  replicate.name = fmt::format("{}/hybrid/replicate{}", options.name, position);
-  HybridGroups g;
-  g.shard_group = make_communicator(store, position, shard_group_size, shard);
-  g.replicate_group = make_communicator(store, group, world_size / shard_group_size, replicate);
-  return g;
-}
-
-CommunicatorPtr make_host_group(std::shared_ptr<Store> store, int rank, int world_size,
-                                int local_world_size, const CommunicatorOptions& options) {
-  const ErrorContext ctx{rank, world_size, "make_host_group", -1};
-  if (local_world_size < 1 || world_size % local_world_size != 0) {
-    throw InvalidArgument(ctx, fmt::format("local world size {} does not divide world size {}",
-                                           local_world_size, world_size));
-  }
-  CommunicatorOptions host = options;
-  // Not "<name>/host<h>": the world's hierarchical transport keeps its per-host segments
-  // under those keys, and across hosts a host group of that name joined the world's segment.
-  host.name = fmt::format("{}/host_group{}", options.name, rank / local_world_size);
-  return make_communicator(std::move(store), rank % local_world_size, local_world_size, host);
 }
 
 namespace fsdp {

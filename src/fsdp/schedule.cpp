@@ -13,6 +13,7 @@
 #include "comm/control_plane.h"
 #include "compress/quantized_all_gather.h"
 #include "dtrain/errors.h"
+#include "strategy/step_driver.h"
 
 namespace dtrain::fsdp {
 
@@ -34,7 +35,7 @@ void Schedule::expect(const char* transition, std::initializer_list<Phase> from)
   for (Phase p : from) {
     if (phase_ == p) return;
   }
-  failed_ = true;
+  failed();
   std::vector<const char*> names;
   for (Phase p : from) names.push_back(name_of(p));
   throw Error(ErrorContext{comms_.rank, comms_.world_size, transition, -1},
@@ -42,10 +43,10 @@ void Schedule::expect(const char* transition, std::initializer_list<Phase> from)
                           transition, fmt::join(names, " or ")));
 }
 
-Schedule::Schedule(ScheduleOptions options, UnitComms comms)
-    : options_(options), comms_(std::move(comms)), token_(std::make_shared<Schedule*>(this)) {}
+Schedule::Schedule(ScheduleOptions options, UnitComms comms, StepFailure& failure)
+    : options_(options), comms_(std::move(comms)), failure_(failure) {}
 
-Schedule::~Schedule() { token_.reset(); }
+Schedule::~Schedule() = default;
 
 void Schedule::add_unit(std::string name, const torch::nn::Module* module, FlatParam flat) {
   const int index = static_cast<int>(units_.size());
@@ -55,10 +56,9 @@ void Schedule::add_unit(std::string name, const torch::nn::Module* module, FlatP
   ran_.push_back(0);
   running_.push_back(0);
   Unit& u = units_.back();
-  std::weak_ptr<Schedule*> weak = token_;
-  u.hook_gradients([weak, index] {
-    if (auto self = weak.lock()) (*self)->on_grad_ready(index);
-  });
+  for (size_t i = 0; i < u.flat().num_params(); ++i) {
+    hooks_.add(u.flat().param(i), [this, index] { on_grad_ready(index); });
+  }
   if (sharded()) u.reshard();
 }
 
@@ -70,6 +70,17 @@ int Schedule::unit_of(const torch::nn::Module& m) const {
 std::vector<std::string> Schedule::log() const {
   std::lock_guard<std::mutex> lock(mu_);
   return log_;
+}
+
+void Schedule::begin_step() {
+  std::lock_guard<std::mutex> lock(mu_);
+  log_.clear();
+  stats_ = StepStats{};
+}
+
+StepStats Schedule::counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
 }
 
 void Schedule::issued(Collective kind, int unit, int64_t bytes) {
@@ -182,16 +193,16 @@ void Schedule::free_after_call(Unit& u, bool reads_in_backward) {
 }
 
 void Schedule::hook_outputs(int position, const std::vector<at::Tensor>& outputs) {
-  std::weak_ptr<Schedule*> weak = token_;
   // Shared by this use's hooks: only the first gradient to arrive gathers (a later one may
   // come after the unit's backward ended and it was freed again).
   auto fired = std::make_shared<bool>(false);
+  auto gather = hooks_.guard([this, position] { pre_backward(position); });
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
-    output.register_hook([weak, position, fired](const at::Tensor&) {
+    output.register_hook([gather, fired](const at::Tensor&) {
       if (*fired) return;
       *fired = true;
-      if (auto self = weak.lock()) (*self)->pre_backward(position);
+      gather();
     });
   }
 }
@@ -224,7 +235,7 @@ void Schedule::end_forward(Communicator& world) {
     try {
       all = ControlPlane(world).all_gather(std::vector<int64_t>{as_signed});
     } catch (...) {
-      failed_ = true;
+      failed();
       throw;
     }
     for (int r = 0; r < n; ++r) {
@@ -412,6 +423,92 @@ void Schedule::finish_forward_as_peers_do() {
       free_after_call(u, recorded_reads_[position] != 0);
     }
   }
+}
+
+std::exception_ptr Schedule::backward(const std::function<void()>& autograd, int world_size) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    arm();
+  }
+  std::exception_ptr failure;
+  try {
+    autograd();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  disarm();
+  try {
+    if (out_of_step()) {
+      std::rethrow_exception(
+          failure ? failure
+                  : std::make_exception_ptr(Error(
+                        ErrorContext{comms_.rank, comms_.world_size, "backward", -1}, "failed")));
+    }
+    if (failure) {
+      // autograd threw (the user's autograd code, or out of memory): issue what a peer's
+      // backward still issues, then the driver agrees.
+      if (world_size > 1) {
+        const auto& now = backward_log_;
+        const auto& last = last_backward_log();
+        const bool prefix =
+            now.size() <= last.size() && std::equal(now.begin(), now.end(), last.begin());
+        if (!prefix || last.empty()) {
+          throw StepBreak{last.empty()
+                              ? "backward failed before any backward succeeded: the other ranks' "
+                                "remaining collectives are unknown"
+                              : "backward failed after collectives that differ from the last "
+                                "backward's",
+                          failure};
+        }
+        replay(last, now.size());
+      }
+    } else {
+      flush();
+    }
+  } catch (const StepBreak&) {
+    end_backward();
+    throw;
+  } catch (...) {
+    end_backward();
+    break_step("its collectives may no longer match the other ranks'");
+  }
+  const auto wait_start = Clock::now();
+  const double waited_before = stats_.comm_wait_s;  // complete()'s waits are in the window
+  if (!failure) {
+    try {
+      complete();
+    } catch (...) {
+      end_backward();
+      break_step(
+          "a gradient collective failed (a rank that failed where it could not keep its "
+          "collectives in step, exited or ran out of data stops issuing them)");
+    }
+  }
+  end_backward();
+  const auto done = Clock::now();
+  stats_.comm_wait_s = waited_before + std::chrono::duration<double>(done - wait_start).count();
+  stats_.comm_total_s = std::chrono::duration<double>(done - first_reduce_).count();
+  return failure;
+}
+
+void Schedule::commit_backward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_backward_log_[sync_] = backward_log_;
+  accumulate();
+  reshard_all();  // includes prefetched-but-unused units
+}
+
+void Schedule::issue_as_peers_do(bool training, int world_size) {
+  if (world_size <= 1) return;
+  if (!order_recorded() || (training && last_backward_log().empty())) {
+    throw StepBreak{
+        "the first step failed before FSDP recorded its schedule: the other ranks' remaining "
+        "collectives are unknown",
+        nullptr};
+  }
+  finish_forward_as_peers_do();
+  if (training) replay(last_backward_log(), 0);
 }
 
 void Schedule::reset() {

@@ -37,10 +37,14 @@
 //                                   +-- reset() from any phase once recorded (a failed step)
 //
 // Collectives issued while ARMED or DRAINING are the backward's (logged for replay). Two
-// flags are not phases: the gradient-sync setting (set_gradient_sync, a step's
-// configuration that forward and backward both read) and the failure latch (failed(): a
-// collective or transition failed, so the collective stream may no longer match the peers';
-// it stays set, as the strategy breaks).
+// things are not phases: the gradient-sync setting (set_gradient_sync, a step's
+// configuration that forward and backward both read) and failures: a collective or
+// transition that fails puts the strategy's StepFailure out of step (strategy/step_failure.h),
+// and the StepDriver breaks the strategy.
+//
+// The schedule's lock is its own: gradient hooks take it on autograd's threads, and the
+// public calls that run while they may (backward(), commit_backward(), counters(), log())
+// take it themselves.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,6 +52,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -59,6 +65,8 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/strategy.h"
 #include "fsdp/unit.h"
+#include "strategy/grad_hooks.h"
+#include "strategy/step_failure.h"
 
 namespace torch::nn {
 class Module;
@@ -80,7 +88,8 @@ class Schedule final : private UnitObserver {
  public:
   using Clock = std::chrono::steady_clock;
 
-  Schedule(ScheduleOptions options, UnitComms comms);
+  // Reports failures to `failure`, which must outlive it.
+  Schedule(ScheduleOptions options, UnitComms comms, StepFailure& failure);
   ~Schedule() override;
   Schedule(const Schedule&) = delete;
   Schedule& operator=(const Schedule&) = delete;
@@ -127,25 +136,38 @@ class Schedule final : private UnitObserver {
     return std::find(recorded_reads_.begin(), recorded_reads_.end(), 0) != recorded_reads_.end();
   }
 
-  // --- backward (the caller holds mutex() from arm() to accumulate()) ---
+  // --- backward ---
   // Whether the next backward reduces (Strategy::requires_gradient_sync()); set before a
   // forward (a failed forward replays the backward of this mode) and before backward.
   void set_gradient_sync(bool sync) { sync_ = sync; }
+  // A backward: ARMED while `autograd` (loss.backward()) runs, then DRAINING: what got no
+  // gradient reduces, every reduction is waited for, RECORDED again. When autograd throws,
+  // the rest of a peer's backward is replayed with dummy data. Returns autograd's failure
+  // (the collectives stayed in step), or null; throws StepBreak when the collectives may no
+  // longer match the peers'. `world_size`: the strategy's ranks (one has no peers).
+  std::exception_ptr backward(const std::function<void()>& autograd, int world_size);
+  // Every rank's backward succeeded: the reduced gradients are added to the shards' .grad
+  // and every unit is freed.
+  void commit_backward();
+  // backward()'s phase transitions, each checked (the caller holds no lock: hooks only read
+  // the phase under the schedule's own).
   // RECORDED -> ARMED: every unit expects its gradients; collectives are the backward's.
   void arm();
   // ARMED -> DRAINING: autograd is done; gradient hooks that still fire do nothing.
   void disarm();
-  // Everything that got no gradient reduces now, in order.
-  void flush();
-  // Waits for every reduction.
-  void complete();
-  // Adds the reduced gradients to the shards' .grad.
-  void accumulate();
+  // DRAINING -> RECORDED.
+  void end_backward();
+  // A collective or transition of the schedule failed: the strategy's StepFailure is out of
+  // step (or broken).
+  bool failed_in_step() const { return out_of_step(); }
   // Frees every unit (also prefetched but unused ones).
   void reshard_all();
-  Clock::time_point first_reduction() const { return first_reduce_; }
 
   // --- failures ---
+  // The forward threw on this rank: issue what a peer whose forward succeeded still issues
+  // (the rest of the forward's gathers, and the last backward's collectives when
+  // `training`). Throws StepBreak when those are unknown (the first step).
+  void issue_as_peers_do(bool training, int world_size);
   // A collective of a step as another rank issues it, for replaying.
   struct Issued {
     Collective kind;
@@ -154,24 +176,14 @@ class Schedule final : private UnitObserver {
   };
   // Collectives of the running backward so far; of the last successful one with the same
   // gradient sync setting (a backward without sync issues only the all-gathers).
-  const std::vector<Issued>& backward_log() const { return backward_log_; }
-  const std::vector<Issued>& last_backward_log() const { return last_backward_log_[sync_]; }
-  // DRAINING -> RECORDED.
-  void end_backward();
-  void keep_backward_log() { last_backward_log_[sync_] = backward_log_; }
-  // One of the schedule's collectives or transitions failed in this step.
-  bool failed_in_step() const { return failed_; }
-  void finish_forward_as_peers_do();
-  void replay(const std::vector<Issued>& ops, size_t from);
   // Any phase -> RECORDED (UNRECORDED stays): every unit SHARDED / IDLE.
   void reset();
 
   // --- what the step did ---
-  std::mutex& mutex() const { return mu_; }
-  StepStats& stats() { return stats_; }
-  const StepStats& stats() const { return stats_; }
-  void clear_log() { log_.clear(); }
-  std::vector<std::string> log() const;  // takes mutex()
+  // A step begins: its counters and log start empty.
+  void begin_step();
+  StepStats counters() const;
+  std::vector<std::string> log() const;
 
  private:
   bool sharded() const { return comms_.shard != nullptr; }
@@ -191,6 +203,16 @@ class Schedule final : private UnitObserver {
   void prefetch(int index, const char* why);
   void pre_backward(int position);
   void on_grad_ready(int index);
+  // Everything that got no gradient reduces now, in order.
+  void flush();
+  // Waits for every reduction.
+  void complete();
+  // Adds the reduced gradients to the shards' .grad.
+  void accumulate();
+  const std::vector<Issued>& last_backward_log() const { return last_backward_log_[sync_]; }
+  bool out_of_step() const { return failure_.state() != StepFailure::State::kHealthy; }
+  void finish_forward_as_peers_do();
+  void replay(const std::vector<Issued>& ops, size_t from);
   // Launches (or holds, without sync) the reductions whose turn came and whose gradients
   // are complete.
   void launch_ready_reductions();
@@ -201,14 +223,13 @@ class Schedule final : private UnitObserver {
   void issued(Collective kind, int unit, int64_t bytes) override;
   void record(std::string entry) override { log_.push_back(std::move(entry)); }
   void waited(Clock::duration d) override;
-  void failed() noexcept override { failed_ = true; }
+  void failed() noexcept override { failure_.out_of_step(nullptr); }
 
   ScheduleOptions options_;
   UnitComms comms_;
+  StepFailure& failure_;
   std::vector<Unit> units_;  // units_[0] is the root
   std::map<const torch::nn::Module*, int> unit_of_module_;
-  // Hooks hold this weakly: a hook that outlives the schedule does nothing.
-  std::shared_ptr<Schedule*> token_;
 
   // Execution order: unit indices in forward order (recorded each iteration, compared with
   // the first); reductions launch in the reverse order, root last.
@@ -230,12 +251,12 @@ class Schedule final : private UnitObserver {
   bool sync_ = true;           // the step's gradient-sync setting
   Clock::time_point first_reduce_;
 
-  bool failed_ = false;  // the failure latch (see the top of this file)
   std::vector<Issued> backward_log_, last_backward_log_[2];  // [sync]
 
   mutable std::mutex mu_;
   StepStats stats_;
   std::vector<std::string> log_;
+  GradReadyHooks hooks_;  // last: destroyed first, so no hook runs on a dying schedule
 };
 
 }  // namespace dtrain::fsdp

@@ -18,7 +18,7 @@
 namespace dtrain {
 
 at::Tensor FullyShardedDataParallel::Impl::grad_norm() {
-  steps_.check_usable("grad_norm");
+  driver_.check_usable("grad_norm");
   std::vector<at::Tensor> grads;
   for (size_t k = 0; k < schedule_->num_units(); ++k) {
     grads.push_back(schedule_->unit(k).flat().shard().grad());
@@ -27,12 +27,10 @@ at::Tensor FullyShardedDataParallel::Impl::grad_norm() {
   if (const auto& shard = schedule_->comms().shard) {
     // Shards are disjoint and padding holds zeros: the global sum is the sum of the parts.
     // On the communicator's device and without a host read (Work::wait orders streams).
-    const WireStats before = wire_.read();
-    sq = ControlPlane(*shard).all_reduce(sq.reshape({1}), ReduceOp::kSum).reshape({});
     // Part of the step that backward() ended (StepStats::wire).
-    const WireStats sent = wire_.read().since(before);
-    std::lock_guard<std::mutex> lock(schedule_->mutex());
-    schedule_->stats().wire += sent;
+    sq = driver_.counting_wire([&] {
+      return ControlPlane(*shard).all_reduce(sq.reshape({1}), ReduceOp::kSum).reshape({});
+    });
   }
   return sq.sqrt_();
 }
@@ -55,7 +53,7 @@ int64_t FullyShardedDataParallel::Impl::model_state_bytes(
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::Impl::full_state_dict() {
-  steps_.check_usable("full_state_dict");
+  driver_.check_usable("full_state_dict");
   c10::NoGradGuard no_grad;
   std::vector<std::pair<std::string, at::Tensor>> out;
   const auto& shard_comm = schedule_->comms().shard;

@@ -70,14 +70,6 @@ Unit::Unit(int index, std::string name, FlatParam flat, const UnitComms* comms,
       comms_(comms),
       observer_(observer) {}
 
-void Unit::hook_gradients(const std::function<void()>& on_ready) {
-  for (size_t i = 0; i < flat_.num_params(); ++i) {
-    auto acc = compat::grad_accumulator(flat_.param(i));
-    compat::add_post_hook(acc, on_ready);
-    accumulators_.push_back(std::move(acc));
-  }
-}
-
 ErrorContext Unit::ctx(const char* op) const {
   return ErrorContext{comms_->rank, comms_->world_size, op, -1};
 }

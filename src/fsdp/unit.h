@@ -135,10 +135,6 @@ class Unit {
   // HELD (and ACCUMULATING after HELD): the unsharded fp32 gradient sum kept without sync.
   const at::Tensor& held_gradient() const { return held_; }
 
-  // Keeps the parameters' gradient accumulators alive with `on_ready` registered to run after
-  // each of them accumulated a gradient.
-  void hook_gradients(const std::function<void()>& on_ready);
-
   // --- parameter transitions (see the file comment); `why` is appended to the log entry ---
   void unshard(const char* why);
   void wait_unsharded();
@@ -196,8 +192,6 @@ class Unit {
   WorkPtr reduce_work_;     // REDUCING: the reduce-scatter (null without a shard group)
   WorkPtr replicate_work_;  // REPLICATING: the all-reduce over replicas
   at::Tensor reduce_out_;   // REDUCING / REPLICATING / REDUCED
-
-  std::vector<compat::NodePtr> accumulators_;
 };
 
 }  // namespace dtrain::fsdp

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -66,6 +67,22 @@ void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& ten
   }
   for (auto& w : works) w->wait();
   for (auto& [t, c] : pending) t.copy_(c);
+}
+
+void agree_on_initial_state(Communicator& comm, torch::nn::Module& module, const char* op,
+                            bool broadcast_parameters) {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  std::vector<at::Tensor> broadcast;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    named.emplace_back(item.key(), item.value());
+    if (broadcast_parameters) broadcast.push_back(item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    named.emplace_back("buffer " + item.key(), item.value());
+    broadcast.push_back(item.value());
+  }
+  verify_same_model(comm, named, op);
+  broadcast_from_rank0(comm, broadcast);
 }
 
 }  // namespace dtrain

@@ -41,30 +41,22 @@ std::string ranks_text(const std::vector<int>& ranks) {
 
 }  // namespace
 
-std::string describe(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
-
-StepSync::StepSync(CommunicatorPtr comm, std::string strategy, StepChecks checks)
+StepSync::StepSync(CommunicatorPtr comm, std::string strategy, StepFailure& failure,
+                   StepChecks checks)
     : comm_(std::move(comm)),
       strategy_(std::move(strategy)),
-      // A null communicator is the strategy's to refuse; an agreement on the CPU or among
-      // one rank costs no wait for a device.
+      failure_(failure),
+      // A null communicator is one rank; an agreement on the CPU or among one rank costs no
+      // wait for a device.
       every_step_(checks == StepChecks::kEveryStep || !comm_ || comm_->world_size() == 1 ||
                   comm_->device().is_cpu()),
-      // The strategy reports a null communicator itself, after this is built.
+      // A null communicator is a single rank (SingleDevice).
       rank_(comm_ ? comm_->rank() : 0),
       world_size_(comm_ ? comm_->world_size() : 1) {}
 
 StepSync::~StepSync() {
-  if (!trained_since_finish_ || broken_ || step_failed_ || std::uncaught_exceptions() > 0 ||
-      world_size_ < 2) {
+  if (!trained_since_finish_ || failure_.broken() || step_failed_ ||
+      std::uncaught_exceptions() > 0 || world_size_ < 2) {
     return;
   }
   try {
@@ -89,28 +81,14 @@ std::exception_ptr StepSync::alone(const char* op, std::exception_ptr local) {
 }
 
 ErrorContext StepSync::ctx(const char* op) const {
-  return ErrorContext{comm_->rank(), comm_->world_size(), op, -1};
-}
-
-void StepSync::check_usable(const char* /*op*/) const {
-  if (broken_) std::rethrow_exception(broken_);
-}
-
-std::exception_ptr StepSync::break_with(const char* op, const std::string& why,
-                                        std::exception_ptr cause) {
-  if (!broken_) {
-    broken_ = std::make_exception_ptr(
-        CommError(ctx(op), fmt::format("{} is unusable since step {}: {}: {}", strategy_, step_,
-                                       why, cause ? describe(cause) : std::string("no cause"))));
-  }
-  return broken_;
+  return ErrorContext{rank_, world_size_, op, -1};
 }
 
 StepSync::Table StepSync::exchange(Point point, const char* op, bool failed) {
   const std::vector<int64_t> mine = {static_cast<int64_t>(point), step_, int64_t{failed}};
   Table table;
   try {
-    table.cells = ControlPlane(*comm_).all_gather(mine);
+    table.cells = comm_ ? ControlPlane(*comm_).all_gather(mine) : mine;
   } catch (...) {
     std::rethrow_exception(break_with(
         op,
@@ -199,7 +177,7 @@ std::exception_ptr StepSync::agree(Point point, const char* op, std::exception_p
   if (!elsewhere.empty()) {
     return break_with(op, "ranks out of step",
                       std::make_exception_ptr(Error(fmt::format(
-                          "rank {} reached {} while {} reached {}", comm_->rank(),
+                          "rank {} reached {} while {} reached {}", rank_,
                           point_name(static_cast<int64_t>(point), step_), ranks_text(elsewhere),
                           point_name(table(elsewhere[0], 0), table(elsewhere[0], 1))))));
   }
@@ -221,7 +199,7 @@ std::exception_ptr StepSync::verdict(const Table& table, const char* op, std::ex
   }
   std::vector<uint8_t> messages;
   try {
-    messages = ControlPlane(*comm_).all_gather(message);
+    messages = comm_ ? ControlPlane(*comm_).all_gather(message) : message;
   } catch (...) {
     return break_with(op, "the failure report did not reach every rank", std::current_exception());
   }

@@ -14,21 +14,21 @@
 // collective, within the communicator's timeout) while agree() returns it to be thrown.
 // finish() always agrees.
 //
-// States: kReady (agreements may run) -> kBroken (sticky; every later call throws the first
-// cause). A strategy breaks when its collective stream may no longer match its peers' (a
-// collective failed, or an exception left an unknown number of collectives issued); it then
-// issues nothing more, so its peers fail within their communicator timeout instead of pairing
-// the wrong collectives.
+// A failed agreement breaks the strategy through its StepFailure (strategy/step_failure.h),
+// the one failure state the StepDriver owns. A null communicator is a single rank: the
+// agreements then exchange nothing and see only this rank's row.
 #pragma once
 
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "dtrain/strategy.h"
+#include "strategy/step_failure.h"
 
 namespace dtrain {
 
@@ -46,7 +46,9 @@ class StepSync {
 
   // The agreements go through the control plane (comm/control_plane.h): on the
   // communicator's device.
-  StepSync(CommunicatorPtr comm, std::string strategy, StepChecks checks = StepChecks::kAuto);
+  // Breaks through `failure`, which must outlive it.
+  StepSync(CommunicatorPtr comm, std::string strategy, StepFailure& failure,
+           StepChecks checks = StepChecks::kAuto);
   // Warns once (TORCH_WARN) when training steps ran since the last finish() at world size > 1:
   // forgetting finish() goes unnoticed with even data, and uneven data then fails far from its
   // cause. Not while an exception unwinds, nor after a step failed or the strategy broke.
@@ -59,10 +61,10 @@ class StepSync {
 
   // Index of the current step (forward() calls, from 0), for messages.
   int64_t step() const { return step_; }
-  bool broken() const { return static_cast<bool>(broken_); }
+  bool broken() const { return failure_.broken(); }
 
   // Throws the sticky CommError when broken.
-  void check_usable(const char* op) const;
+  void check_usable(const char* /*op*/) const { failure_.check_usable(); }
 
   // Start of a forward(): every rank must be starting the same step. Throws InvalidArgument
   // on every rank when some called finish() instead ("rank 1 had no batch at step 12 while
@@ -83,11 +85,11 @@ class StepSync {
   // that rank's message. Throws (and breaks) when the agreement itself fails.
   std::exception_ptr agree(Point point, const char* op, std::exception_ptr local);
 
-  // Marks the strategy unusable and returns the CommError to throw: "step 12 (backward): the
-  // strategy is unusable: <why>: <cause>". Later calls throw it again.
-  std::exception_ptr break_with(const char* op, const std::string& why, std::exception_ptr cause);
-
  private:
+  // StepFailure::break_with at this step.
+  std::exception_ptr break_with(const char* op, const std::string& why, std::exception_ptr cause) {
+    return failure_.break_with(op, step_, why, std::move(cause));
+  }
   ErrorContext ctx(const char* op) const;
   // Every rank's [point, step, failed] row.
   struct Table {
@@ -106,15 +108,12 @@ class StepSync {
 
   CommunicatorPtr comm_;
   std::string strategy_;
+  StepFailure& failure_;
   bool every_step_;
   int64_t step_ = -1;
-  std::exception_ptr broken_;
   int rank_, world_size_;  // for the destructor's warning (a borrowed communicator may be gone)
   bool trained_since_finish_ = false;  // a training step started since finish()
   bool step_failed_ = false;           // the last agreement reported a failure
 };
-
-// what() of an exception_ptr, for messages ("unknown exception" for non-std exceptions).
-std::string describe(std::exception_ptr e);
 
 }  // namespace dtrain

@@ -428,7 +428,8 @@ TEST(FsdpUnit, HeldGradientsJoinTheNextReduction) {
 // The schedule's phase moves only through its transitions, each checking where it starts from:
 // a refused one names the phase and what the transition needs, and marks the step failed.
 TEST(FsdpSchedule, PhaseTransitionsCheckWhereTheyStartFrom) {
-  Schedule s(ScheduleOptions{}, UnitComms{});  // no groups: gathering is a local copy
+  StepFailure failure("FullyShardedDataParallel", 0, 1);
+  Schedule s(ScheduleOptions{}, UnitComms{}, failure);  // no groups: gathering is a local copy
   s.add_unit("(root)", nullptr, FlatParam(make_params(), kNames, FlatParamOptions{}));
   auto world = make_communicator(make_memory_store(), 0, 1);  // for end_forward's digest
   EXPECT_EQ(s.phase(), Schedule::Phase::kUnrecorded);
