@@ -54,7 +54,7 @@ struct Autocast {
   c10::ScalarType dtype;
   // CPU bf16 on a CPU without native bf16: the first AutocastGuard made from this Autocast
   // (or a copy) warns through TORCH_WARN; later guards do not. cpu_check.warn = false: no
-  // warning (say it yourself); cpu_check.cpu injects the CPU (default: CpuFeatures::detect()).
+  // warning (say it yourself).
   Bf16CpuCheck cpu_check;
   // Shared by copies: the check above runs once per Autocast and its copies, not per forward.
   std::shared_ptr<std::once_flag> checked = std::make_shared<std::once_flag>();

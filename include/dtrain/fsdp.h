@@ -154,7 +154,7 @@ struct MixedPrecision {
   bool cast_forward_inputs = true;
   // param_dtype bf16 with the module on the CPU, on a CPU without native bf16 (avx512_bf16,
   // AMX-BF16): it trains, many times slower than fp32, and rank 0 warns once at construction
-  // through TORCH_WARN. cpu_check.warn = false: no warning; cpu_check.cpu injects the CPU.
+  // through TORCH_WARN. cpu_check.warn = false: no warning.
   Bf16CpuCheck cpu_check;
 };
 
