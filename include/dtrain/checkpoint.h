@@ -1,6 +1,7 @@
 // Checkpoints: save and load the complete training state under any strategy, and load it
 // under any other strategy and world size.
 //
+// clang-format off
 //   dtrain::CheckpointOptions o;                       // sharded form, keep the last 2
 //   dtrain::TrainingState state;
 //   state.step = step;                                 // the LR schedule's position
@@ -11,11 +12,12 @@
 //   bg.async = true;
 //   dtrain::Checkpointer ckpt("ckpt", bg);            // one per directory, kept across steps
 //   ckpt.save(*strategy, &optimizer, state);           // blocks only for a copy to host memory
-//   ...
+//   // ... the training goes on while it writes ...
 //   ckpt.wait();                                       // before the end: complete, or throws
 //
 //   std::string latest = dtrain::latest_checkpoint("ckpt");            // "" if none
 //   if (!latest.empty()) state = dtrain::load_checkpoint(latest, *strategy, &optimizer);
+// clang-format on
 //
 // What is saved: every parameter (trainable and frozen) and buffer by qualified name, in
 // fp32 master precision for FSDP; the optimizer's per-parameter state (AdamW, Adam, SGD:
