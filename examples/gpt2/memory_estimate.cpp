@@ -59,7 +59,7 @@ dtrain::ModelMemory model_memory(const Config& c, int64_t vocab) {
   b.vocab_size = vocab;
   m.parameters = bert::count_parameters(b);
   const int64_t d = b.dim, f = b.ffn_dim;
-  // BertTask::wrap_policy: every TransformerEncoderLayer.
+  // BERT's task (bert_task.cpp) makes every TransformerEncoderLayer a unit.
   m.units.assign(static_cast<size_t>(b.layers), 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d);
   bert::MaskingOptions masking;
   const int64_t predicted = c.batch * bert::predicted_per_sequence(b.context, masking);

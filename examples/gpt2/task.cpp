@@ -1,15 +1,14 @@
-// The two tasks: GPT-2 next-token prediction and BERT masked-language modelling.
+// The GPT-2 task (next-token prediction), and the choice between it and BERT's
+// (examples/bert/bert_task.h: masked-language modelling).
 #include "task.h"
 
 #include <utility>
 
 #include <fmt/format.h>
 
-#include "bert_model.h"
-#include "mlm_data.h"
+#include "bert_task.h"
 
 namespace gpt2 {
-namespace {
 
 std::string describe_model(const std::string& preset, const std::string& dims, int64_t params,
                            bool checkpointing) {
@@ -17,6 +16,8 @@ std::string describe_model(const std::string& preset, const std::string& dims, i
                      static_cast<double>(params) / 1e6,
                      checkpointing ? ", activation checkpointing" : "");
 }
+
+namespace {
 
 class GptTask : public Task {
  public:
@@ -55,40 +56,6 @@ class GptTask : public Task {
   bool fused_loss_;
 };
 
-class BertTask : public Task {
- public:
-  BertTask(std::string preset, const bert::BertConfig& config, const bert::MaskingOptions& masking,
-           c10::Device device)
-      : preset_(std::move(preset)), model_(config), masking_(masking) {
-    model_->to(device);
-  }
-  std::shared_ptr<torch::nn::Module> module() const override { return model_.ptr(); }
-  // The stock layers, entries of model_->layers: FSDP routes them itself.
-  dtrain::WrapPolicy wrap_policy() const override {
-    return dtrain::wrap_modules_named("TransformerEncoderLayer");
-  }
-  std::string describe() const override {
-    const bert::BertConfig& b = model_->config();
-    return describe_model(preset_, b.to_string(), bert::count_parameters(b),
-                          b.activation_checkpointing) +
-           fmt::format("; masked LM: {} of {} positions predicted, [MASK] id {}",
-                       bert::predicted_per_sequence(b.context, masking_), b.context,
-                       masking_.mask_id);
-  }
-  Batch load_batch(const TokenView& tokens, const DistributedSampler& sampler,
-                   int64_t step) const override {
-    return bert::load_mlm_batch(tokens, sampler, step, masking_);
-  }
-  at::Tensor loss(const at::Tensor& inputs, const at::Tensor& targets, bool fused) override {
-    return model_->loss(inputs, targets, fused);
-  }
-
- private:
-  std::string preset_;
-  bert::Bert model_;
-  bert::MaskingOptions masking_;
-};
-
 }  // namespace
 
 int64_t embedding_rows(const Config& c, int64_t token_ids) {
@@ -118,7 +85,7 @@ std::unique_ptr<Task> make_task(const Config& c, int64_t token_ids, c10::Device 
   m.mask_id = token_ids;
   m.random_vocab = token_ids;
   m.seed = static_cast<uint64_t>(c.seed);
-  return std::make_unique<BertTask>(c.model, b, m, device);
+  return bert::make_bert_task(c.model, b, m, device);
 }
 
 }  // namespace gpt2

@@ -6,7 +6,8 @@
 //     sampler's sequences and the next tokens; FSDP units are the blocks (BlockImpl).
 //   BERT (--model bert-tiny | bert): a masked language model (bert_model.h); batches are the
 //     sampler's sequences masked as BERT does (mlm_data.h); FSDP units are LibTorch's stock
-//     TransformerEncoderLayers, found in their Sequential with no model edit.
+//     TransformerEncoderLayers, found in their Sequential with no model edit. Its task lives
+//     with the model, in namespace bert (examples/bert/bert_task.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -45,6 +46,11 @@ class Task {
   // an empty holder otherwise.
   virtual Gpt gpt() const { return Gpt(nullptr); }
 };
+
+// One line for the log of a task's model: "<preset> (<dims>), <params>M parameters" and
+// whether its activations are checkpointed.
+std::string describe_model(const std::string& preset, const std::string& dims, int64_t params,
+                           bool checkpointing);
 
 // Embedding rows of c's model: --vocab, else the tokenizer's ids (GPT-2) or the ids plus one
 // for [MASK] (BERT). Throws dtrain::InvalidArgument when --vocab leaves too few rows.

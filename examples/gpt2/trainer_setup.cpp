@@ -253,7 +253,8 @@ void Trainer::setup_model_and_strategy() {
 
   // bf16 on a CPU without native bf16: warned once for the job below, not by each rank's
   // library objects.
-  const dtrain::Bf16CpuCheck quiet_bf16_check{blas_.cpu, false};
+  dtrain::Bf16CpuCheck quiet_bf16_check;
+  quiet_bf16_check.warn = false;
   // Several hosts of several ranks: quantised gradients then go in two levels over the
   // host group, hosts as the launcher numbers them (LOCAL_WORLD_SIZE consecutive ranks).
   const bool across_hosts =

@@ -3,7 +3,9 @@
 // the memory of its activations (with every transformer block checkpointed, only the blocks'
 // inputs stay alive between forward and backward).
 //
+// clang-format off
 //   x = dtrain::checkpoint([&](const at::Tensor& in) { return block->forward(in); }, x);
+// clang-format on
 //
 // The recompute sees what the first forward saw: the CPU random generator (and those of the
 // CUDA devices of the inputs) is restored to its state at the start of the first forward,

@@ -1,11 +1,13 @@
 // Mixed precision for any strategy: ATen's autocast around the forward pass.
 //
+// clang-format off
 //   const dtrain::Autocast amp{c10::kCPU, c10::kBFloat16};
 //   at::Tensor loss = strategy->forward([&] {
 //     dtrain::AutocastGuard guard(amp);      // matmuls and linears of this forward in bf16
 //     return loss_fn(model->forward(x), y);  // loss_fn should compute in fp32 (see below)
 //   });
 //   strategy->backward(loss);                // outside the guard, as in PyTorch
+// clang-format on
 //
 // What stays fp32: the parameters (the optimizer steps fp32 master weights; each weight is
 // cast to the low dtype once per forward and the cast is cached until the outermost guard
@@ -54,7 +56,7 @@ struct Autocast {
   c10::ScalarType dtype;
   // CPU bf16 on a CPU without native bf16: the first AutocastGuard made from this Autocast
   // (or a copy) warns through TORCH_WARN; later guards do not. cpu_check.warn = false: no
-  // warning (say it yourself); cpu_check.cpu injects the CPU (default: CpuFeatures::detect()).
+  // warning (say it yourself).
   Bf16CpuCheck cpu_check;
   // Shared by copies: the check above runs once per Autocast and its copies, not per forward.
   std::shared_ptr<std::once_flag> checked = std::make_shared<std::once_flag>();

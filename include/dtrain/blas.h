@@ -24,6 +24,10 @@
 
 namespace dtrain {
 
+namespace detail {
+struct Bf16CpuInjection;
+}
+
 // The CPU features that decide which kernels can run. A vector extension counts only when the
 // operating system also saves its registers (AVX, AVX-512), as the compiler's
 // __builtin_cpu_supports checks.
@@ -60,12 +64,15 @@ std::string bf16_emulation_warning(const CpuFeatures& cpu);
 // What CPU bf16 mixed precision (dtrain::Autocast, FsdpOptions::mixed_precision) does about
 // a CPU without native bf16: it runs (bf16's numerics may be what the user wants) and warns
 // once through LibTorch's warning channel (TORCH_WARN; a c10 warning handler intercepts it).
+// The CPU judged is CpuFeatures::detect().
 struct Bf16CpuCheck {
-  // The CPU judged; unset: CpuFeatures::detect(). Inject one to test, as plan_blas_kernel()
-  // takes its CPU.
-  std::optional<CpuFeatures> cpu;
   // false: no warning (for a program that says it itself, as gpt2_train does once per job).
   bool warn = true;
+
+ private:
+  // Tests judge an injected CPU instead (src/amp/bf16_check.h); unset: detect().
+  friend struct detail::Bf16CpuInjection;
+  std::optional<CpuFeatures> cpu_;
 };
 
 // Test hook: DTRAIN_HIDE_NATIVE_BF16=1 makes dtrain's programs (gpt2_train, dtrain-run and
@@ -81,7 +88,7 @@ CpuFeatures apply_cpu_feature_hooks(CpuFeatures cpu, const std::map<std::string,
 
 // CpuFeatures::detect() with this process's DTRAIN_HIDE_NATIVE_BF16 applied: what gpt2_train
 // and dtrain-run report and decide with. The only place dtrain reads that variable; the
-// library's own default (Bf16CpuCheck without a cpu) ignores it.
+// library's own check (Bf16CpuCheck) ignores it.
 CpuFeatures cpu_features_from_env();
 
 // The BLAS a process uses, as far as it can be identified.

@@ -1,6 +1,7 @@
 // Checkpoints: save and load the complete training state under any strategy, and load it
 // under any other strategy and world size.
 //
+// clang-format off
 //   dtrain::CheckpointOptions o;                       // sharded form, keep the last 2
 //   dtrain::TrainingState state;
 //   state.step = step;                                 // the LR schedule's position
@@ -11,11 +12,12 @@
 //   bg.async = true;
 //   dtrain::Checkpointer ckpt("ckpt", bg);            // one per directory, kept across steps
 //   ckpt.save(*strategy, &optimizer, state);           // blocks only for a copy to host memory
-//   ...
+//   // ... the training goes on while it writes ...
 //   ckpt.wait();                                       // before the end: complete, or throws
 //
 //   std::string latest = dtrain::latest_checkpoint("ckpt");            // "" if none
 //   if (!latest.empty()) state = dtrain::load_checkpoint(latest, *strategy, &optimizer);
+// clang-format on
 //
 // What is saved: every parameter (trainable and frozen) and buffer by qualified name, in
 // fp32 master precision for FSDP; the optimizer's per-parameter state (AdamW, Adam, SGD:
@@ -58,6 +60,10 @@ class Optimizer;
 
 namespace dtrain {
 
+namespace detail {
+struct CheckpointProgress;
+}
+
 enum class CheckpointFormat { kFull, kSharded };
 
 // State of the training loop saved alongside the model (rank 0's copy is saved).
@@ -71,12 +77,6 @@ struct CheckpointOptions {
   CheckpointFormat format = CheckpointFormat::kSharded;
   // Complete checkpoints kept in the directory (the newest ones); at least 1.
   int keep = 2;
-  // Called on every rank at named points of a save: "tmp_created", "mid_file",
-  // "files_written", and on rank 0 "before_rename", "renamed". For tests that kill a
-  // writer at a given point; leave empty otherwise.
-  // With async (background saves, Checkpointer only) the points after "tmp_created" are
-  // called on the background thread.
-  std::function<void(const char* point)> on_progress;
   // Background saves (see Checkpointer): the state is copied to host memory at the call and
   // written by a background thread; the directory written is byte for byte the one a
   // foreground save writes. save_checkpoint refuses it (nothing would report its errors).
@@ -90,6 +90,11 @@ struct CheckpointOptions {
   // fresh memory, which cost more than the copy itself. Costs one host copy of this rank's
   // state for the Checkpointer's life. false: the buffers are freed after each write.
   bool keep_host_buffers = true;
+
+ private:
+  // Tests stop or fault a save at a named point (src/checkpoint/progress.h).
+  friend struct detail::CheckpointProgress;
+  std::function<void(const char* point)> on_progress_;
 };
 
 // What a save or load did on this rank.

@@ -9,6 +9,7 @@
 //
 // A user-written hook, e.g. averaging in fp64:
 //
+// clang-format off
 //   class Fp64AverageHook : public dtrain::CommHook {
 //    public:
 //     dtrain::WorkPtr run(dtrain::Communicator& comm, dtrain::GradBucket& b) override {
@@ -18,6 +19,7 @@
 //     }
 //     std::string name() const override { return "fp64_average"; }
 //   };
+// clang-format on
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -2,8 +2,10 @@
 // and of the files tools and examples write (the GPT-2 example's token cache). Hardware
 // (SSE 4.2) when the CPU has it, else a slicing-by-8 table; both give the same values.
 //
+// clang-format off
 //   uint32_t crc = dtrain::crc32c(0, data, n);        // a fresh checksum
 //   crc = dtrain::crc32c(crc, more, m);               // continued over more bytes
+// clang-format on
 #pragma once
 
 #include <cstddef>

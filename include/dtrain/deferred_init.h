@@ -3,18 +3,22 @@
 //
 // A model too large for one rank cannot be built whole on every rank first. Instead:
 //
+// clang-format off
 //   auto model = std::make_shared<Net>(config);   // built as usual (allocates) ...
 //   dtrain::defer_parameters(*model);             // ... then its parameters' memory freed
 //   // (a large model defers each block right after building it: the peak is one block)
-//   dtrain::DeferredInit init{seed, [](const std::string& name, at::Tensor& p,
+//   dtrain::DeferredInit init{seed, [](const std::string& /*name*/, at::Tensor& p,
 //                                       at::Generator& gen) { p.normal_(0, 0.02, gen); }};
 //   dtrain::FsdpOptions o;
 //   o.deferred_init = init;                       // FSDP materialises only this rank's shard
 //   dtrain::FullyShardedDataParallel fsdp(model, comm, o);
+// clang-format on
 //
 // and, for single-device or DDP training with the same initial values,
 //
+// clang-format off
 //   dtrain::init_parameters(*model, init);        // allocates and initialises every parameter
+// clang-format on
 //
 // Every parameter is initialised on its own, drawing only from a CPU generator seeded with
 // param_seed(seed, name), name being its qualified name in the model. Its values therefore

@@ -1,34 +1,18 @@
-// Umbrella header: everything a training program needs from dtrain.
+// Everything a training program needs from dtrain, by layer (docs/architecture.md, "The
+// public headers, by layer"); include one layer, or one header, for less:
+//
+//   dtrain/communication.h  communicators, stores, works, errors, gradient hooks
+//   dtrain/strategies.h     Strategy: SingleDevice, DataParallel, FullyShardedDataParallel
+//   dtrain/training.h       autocast, loss scaling, FusedAdamW, activation checkpointing, ...
+//   dtrain/checkpointing.h  checkpoints and their files (safetensors, JSON, CRC-32C)
+//   dtrain/launch.h         LaunchInfo and init_communicator, the node launcher, preemption
+//
+// Left out: dtrain/mpi.h, which needs <mpi.h> (include it yourself, in a build with MPI).
 #pragma once
 
-#include "dtrain/activation_checkpoint.h"
-#include "dtrain/attention.h"
-#include "dtrain/autocast.h"
-#include "dtrain/blas.h"
-#include "dtrain/checkpoint.h"
-#include "dtrain/comm_hook.h"
-#include "dtrain/communicator.h"
+#include "dtrain/checkpointing.h"
+#include "dtrain/communication.h"
 #include "dtrain/config.h"
-#include "dtrain/crc32c.h"
-#include "dtrain/data_parallel.h"
-#include "dtrain/deferred_init.h"
-#include "dtrain/errors.h"
-#include "dtrain/etcd_store.h"
-#include "dtrain/fsdp.h"
-#include "dtrain/fused_adamw.h"
-#include "dtrain/grad_scaler.h"
-#include "dtrain/host_memory.h"
-#include "dtrain/json.h"
-#include "dtrain/launcher.h"
-#include "dtrain/memory_plan.h"
-#include "dtrain/powersgd.h"
-#include "dtrain/preemption.h"
-#include "dtrain/quantization.h"
-#include "dtrain/rendezvous.h"
-#include "dtrain/safetensors.h"
-#include "dtrain/single_device.h"
-#include "dtrain/store.h"
-#include "dtrain/strategy.h"
-#include "dtrain/sync_batch_norm.h"
-#include "dtrain/wire_stats.h"
-#include "dtrain/work.h"
+#include "dtrain/launch.h"
+#include "dtrain/strategies.h"
+#include "dtrain/training.h"

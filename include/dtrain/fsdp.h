@@ -20,10 +20,17 @@
 //   leaving the Sequential's registered children, hence every parameter name, unchanged.
 //   Stock modules become units without any model edit:
 //
-//     layers = register_module("layers", torch::nn::Sequential());
-//     for (int i = 0; i < 12; ++i) layers->push_back(torch::nn::TransformerEncoderLayer(768, 12));
-//     ...
+// clang-format off
+//     struct EncoderImpl : torch::nn::Module {
+//       EncoderImpl() {
+//         for (int i = 0; i < 12; ++i) layers->push_back(torch::nn::TransformerEncoderLayer(768, 12));
+//       }
+//       at::Tensor forward(const at::Tensor& x) { return layers->forward(x); }
+//       torch::nn::Sequential layers = register_module("layers", torch::nn::Sequential());
+//     };
+//     dtrain::FsdpOptions o;
 //     o.wrap_policy = dtrain::wrap_modules_named("TransformerEncoderLayer");
+// clang-format on
 //
 // * Anywhere else the model marks the call with dtrain::unit_call:
 //
@@ -46,9 +53,11 @@
 //
 // The strategy is built with a policy that makes those modules units:
 //
+// clang-format off
 //   dtrain::FsdpOptions o;
 //   o.wrap_policy = dtrain::wrap_modules_named("Block");    // or wrap_by_min_params(n)
 //   auto fsdp = std::make_shared<dtrain::FullyShardedDataParallel>(model, comm, o);
+// clang-format on
 //
 // A submodule that the policy wraps but the model never runs (through a Sequential or
 // unit_call) is an error (detected at the first forward), and so is a policy that wraps no
@@ -155,7 +164,7 @@ struct MixedPrecision {
   bool cast_forward_inputs = true;
   // param_dtype bf16 with the module on the CPU, on a CPU without native bf16 (avx512_bf16,
   // AMX-BF16): it trains, many times slower than fp32, and rank 0 warns once at construction
-  // through TORCH_WARN. cpu_check.warn = false: no warning; cpu_check.cpu injects the CPU.
+  // through TORCH_WARN. cpu_check.warn = false: no warning.
   Bf16CpuCheck cpu_check;
 };
 
@@ -354,12 +363,14 @@ enum class ParamsInBackward {
 // std::vector, std::array and std::optional of supported types, and arithmetic or enum
 // values (no tensors). For a struct of your own, specialize it in namespace dtrain:
 //
+// clang-format off
 //   struct EncoderOut { at::Tensor hidden; at::Tensor attention; int64_t layers; };
 //   template <>
 //   struct dtrain::UnitOutput<EncoderOut> {
 //     template <typename F>
 //     static void for_each_tensor(const EncoderOut& o, F&& f) { f(o.hidden); f(o.attention); }
 //   };
+// clang-format on
 //
 // List every tensor that can carry a gradient back into the unit: if the unit's backward
 // started from an output left out, its parameters would not be gathered for it.

@@ -6,7 +6,9 @@
 // parameter, its gradient and both moments once and writes the parameter and moments once,
 // split over the intra-op threads (as PyTorch's `AdamW(fused=True)` on CPU).
 //
+// clang-format off
 //   dtrain::FusedAdamW opt(strategy.parameters(), torch::optim::AdamWOptions(3e-4));
+// clang-format on
 //
 // It *is* a torch::optim::AdamW: the same constructors, options (lr, betas, eps,
 // weight_decay, amsgrad; per parameter group), state (AdamWParamState: step, exp_avg,

@@ -8,16 +8,18 @@
 // growth_interval steps without overflow S is doubled, so it stays close to the largest
 // safe value.
 //
+// clang-format off
 //   dtrain::GradScaler scaler(comm);                  // comm: every rank (null: one rank)
 //   for (auto& batch : loader) {
 //     opt.zero_grad();
-//     at::Tensor loss = strategy->forward([&] { ... });
+//     at::Tensor loss = strategy->forward([&] { return loss_fn(model->forward(batch.x), batch.y); });
 //     strategy->backward(scaler.scale(loss));         // gradients are S times too large
 //     scaler.unscale(opt);                            // now true gradients; finds inf/NaN
 //     strategy->clip_grad_norm(1.0);                  // clips true gradients
 //     scaler.step(opt);                               // opt.step() unless inf/NaN was found
 //     scaler.update();                                // halve or grow S
 //   }
+// clang-format on
 //
 // Every rank skips the same steps: unscale() all-reduces one value (the maximum of each
 // rank's "found inf/NaN" flag) over `comm`, so an overflow that only one rank sees (its FSDP

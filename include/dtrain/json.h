@@ -2,8 +2,12 @@
 // checkpoint manifests and the files tools and examples read (a tokenizer's vocabulary, a
 // trainer's metrics lines); dtrain has no JSON dependency.
 //
+// clang-format off
 //   const dtrain::Json j = dtrain::Json::parse(text);   // throws dtrain::JsonError
-//   for (const auto& [key, value] : j.as_object()) ... value.as_int() ...
+//   for (const auto& [key, value] : j.as_object()) {   // in the file's order
+//     if (key == "step") step = value.as_int();        // throws if not an integer
+//   }
+// clang-format on
 //
 // Objects keep their key order; duplicate keys, trailing garbage, nesting deeper than 64 and
 // invalid UTF-16 escapes are refused. Integers that fit in int64 stay exact; other numbers

@@ -2,6 +2,7 @@
 // for programs that start their own ranks, as torch.multiprocessing.spawn does for Python
 // (gpt2_train --nproc, the benchmarks):
 //
+// clang-format off
 //   if (std::getenv("RANK") == nullptr && nproc > 1) {  // not started by a launcher
 //     dtrain::launcher::NodeOptions node;
 //     node.argv = dtrain::launcher::self_command(argc, argv);
@@ -9,6 +10,7 @@
 //     return dtrain::launcher::run_node(node);  // runs this program once per rank
 //   }
 //   auto comm = dtrain::init_communicator(dtrain::LaunchInfo::from_env());
+// clang-format on
 //
 // Plain POSIX, no LibTorch: every rank runs under its own supervisor, dtrain-supervise (a
 // small program built and installed with dtrain-run), started with fork and an immediate

@@ -2,16 +2,19 @@
 // from the parameter count, the strategy, the precision, the optimizer and the activations
 // before the model is built, and the plan that compares it with what a rank has.
 //
+// clang-format off
 //   dtrain::ModelMemory model;                         // what the model is
 //   model.parameters = 774'030'080;
-//   model.units = {64'328'960, 19'677'440, ...};      // FSDP units (wrap policy), if any
+//   model.units = {64'328'960, 19'677'440};            // FSDP units (wrap policy), if any
 //   model.activation_bytes = my_activation_estimate(batch);
 //   dtrain::TrainingMemory training;                   // how it is trained
 //   training.world_size = 4;
-//   const int64_t budget = dtrain::default_memory_per_rank(/*local ranks*/ 4);
+//   const int64_t budget = dtrain::default_memory_per_rank(/*local ranks*/ 4).value();
 //   dtrain::MemoryPlan plan = dtrain::plan_memory(model, training, budget);
-//   if (auto choice = plan.choice()) { ...build choice->strategy... }   // "auto"
-//   dtrain::check_memory(plan, requested, "MemAvailable ... shared by 4 ranks");  // or refuse
+//   if (auto choice = plan.choice()) build(choice->strategy);  // "auto"
+//   dtrain::check_memory(model, training, requested, budget,   // or refuse
+//                        "MemAvailable shared by 4 ranks");
+// clang-format on
 //
 // The arithmetic (bytes per parameter for each strategy, and a rule of thumb) is in
 // docs/strategies.md, "Memory per rank". Everything here is pure except

@@ -10,8 +10,8 @@
 //   MPI_Comm_split(MPI_COMM_WORLD, world_rank % 2, world_rank, &half);
 //   if (world_rank % 2 == 0) {
 //     auto comm = dtrain::init_communicator(half);  // ranks and size are half's
-//     dtrain::DataParallel ddp(model, comm);            // train as under any launcher
-//     ...
+//     dtrain::DataParallel ddp(model, comm);        // train as under any launcher
+//     train(ddp);
 //   }  // destroy dtrain's communicators before MPI_Finalize
 //   MPI_Finalize();
 // clang-format on

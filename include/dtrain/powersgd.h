@@ -13,10 +13,12 @@
 // (biases, norms' weights) and matrices too small to gain are all-reduced as they are, in one
 // collective with the P factors of the bucket. A bucket thus costs two all-reduces.
 //
+// clang-format off
 //   dtrain::PowerSgdOptions o;
 //   o.rank = 2;
 //   dtrain::DataParallelOptions ddp;
 //   ddp.comm_hook = dtrain::powersgd_hook(o);
+// clang-format on
 //
 // One hook belongs to one DataParallel (it keeps per-bucket state) and must be built with
 // the same options on every rank.

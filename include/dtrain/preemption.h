@@ -1,15 +1,18 @@
 // Stopping every rank at the same step when the job is asked to stop: a scheduler's SIGTERM
 // before preemption, or Ctrl-C (SIGINT).
 //
+// clang-format off
 //   dtrain::StopSignal stop;  // SIGTERM and SIGINT now set a flag instead of killing
 //   for (int64_t step = start; step < steps; ++step) {
-//     ... forward, backward, optimizer step ...
+//     train_step(step);                               // forward, backward, optimizer step
 //     if (const int sig = stop.should_stop(*comm)) {  // collective: every rank, every step
-//       checkpointer.save(...);                         // the same step on every rank
-//       break;                                          // or exit with 128 + sig
+//       state.step = step + 1;                        // optimizer steps taken
+//       checkpointer.save(*strategy, &opt, state);    // the same step on every rank
+//       break;                                        // or exit with 128 + sig
 //     }
 //   }
 //   strategy->finish();
+// clang-format on
 //
 // Signals reach ranks at different moments (the launcher forwards one to each rank, a
 // scheduler signals each host), so each rank's own flag would stop the ranks at different

@@ -1,12 +1,14 @@
 // Safetensors files (the format of Hugging Face's `safetensors`): a reader that memory-maps
 // the file and reads whole tensors or any byte / element range of one, and a writer.
 //
+// clang-format off
 //   dtrain::SafetensorsReader r("model.safetensors");     // maps the file, checks the header
-//   for (const auto& t : r.tensors()) ...                  // name, dtype, shape, byte range
+//   for (const auto& t : r.tensors()) names.push_back(t.name);  // also dtype, shape, bytes
 //   at::Tensor w = r.read("wte.weight");                   // a whole tensor (CPU, owned)
 //   at::Tensor rows = r.read_elements("wte.weight", b, e); // flattened elements [b, e), 1-D
 //
 //   dtrain::write_safetensors("out.safetensors", {{"w", w}}, {{"format", "pt"}});
+// clang-format on
 //
 // Layout: [8 bytes: little-endian u64 N][N bytes: JSON header][data]; the header maps each
 // tensor name to {"dtype", "shape", "data_offsets": [begin, end]} (relative to the data

@@ -1,10 +1,12 @@
 // SyncBatchNorm: batch normalization whose batch statistics are those of the global batch,
 // the union of every rank's part of it (PyTorch's torch.nn.SyncBatchNorm).
 //
+// clang-format off
 //   auto model = std::make_shared<torch::nn::SequentialImpl>(
-//       torch::nn::Conv2d(3, 16, 3), torch::nn::BatchNorm2d(16), torch::nn::ReLU(), ...);
+//       torch::nn::Conv2d(3, 16, 3), torch::nn::BatchNorm2d(16), torch::nn::ReLU());
 //   dtrain::convert_sync_batch_norm(model, comm);   // before the strategy and the optimizer
 //   auto strategy = std::make_shared<dtrain::DataParallel>(model, comm);  // or FSDP
+// clang-format on
 //
 // A drop-in for torch::nn::BatchNorm{1,2,3}d: the same options (BatchNormOptions), the same
 // parameters and buffers under the same names (weight, bias, running_mean, running_var,

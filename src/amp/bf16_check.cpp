@@ -6,7 +6,8 @@ namespace dtrain::amp {
 
 bool warn_if_bf16_emulated(const Bf16CpuCheck& check, const std::string& who) {
   if (!check.warn) return false;
-  const std::string text = bf16_emulation_warning(check.cpu ? *check.cpu : CpuFeatures::detect());
+  const auto& injected = detail::Bf16CpuInjection::cpu(check);
+  const std::string text = bf16_emulation_warning(injected ? *injected : CpuFeatures::detect());
   if (text.empty()) return false;
   // LibTorch's channel, not stderr: a program or test intercepts it with a c10 warning handler.
   TORCH_WARN("dtrain ", who, ": ", text);

@@ -19,6 +19,7 @@
 #include "checkpoint/directory.h"
 #include "checkpoint/layout.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/progress.h"
 #include "checkpoint/rank_state.h"
 #include "checkpoint/rng_states.h"
 #include "checkpoint/safetensors.h"
@@ -178,7 +179,7 @@ SaveJob plan_save(const std::string& dir, Strategy& strategy, torch::optim::Opti
   job.rank = ranks.rank;
   job.world = ranks.world;
   job.keep = options.keep;
-  job.on_progress = options.on_progress;
+  job.on_progress = detail::CheckpointProgress::get(options);
 
   // This rank's optimizer state per slice (per kind, 1-D over the slice's range), and the
   // ranks' agreement on which tensors have state and their step counts (a rank whose shard

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "amp/bf16_check.h"
 #include "compat/warnings.h"
 #include "dtrain/activation_checkpoint.h"
 #include "dtrain/autocast.h"
@@ -144,7 +145,7 @@ CpuFeatures avx2_only() {
 
 Autocast cpu_bf16_on(const CpuFeatures& cpu) {
   Autocast a{c10::DeviceType::CPU, c10::ScalarType::BFloat16};
-  a.cpu_check.cpu = cpu;
+  detail::Bf16CpuInjection::set_cpu(a.cpu_check, cpu);
   return a;
 }
 

@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/checkpoint_ranks.h"
+#include "checkpoint/progress.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/errors.h"
 #include "support/check.h"
@@ -108,13 +109,13 @@ TEST(AsyncCheckpoint, HoldsTheStateAtTheCallAndLoadsExactly) {
       CheckpointOptions o;
       o.format = format;
       o.async = true;
-      o.on_progress = [&](const char* point) {
+      detail::CheckpointProgress::set(o, [&](const char* point) {
         if (std::string(point) != "mid_file") return;
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
         while (!moved_on && std::chrono::steady_clock::now() < deadline) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
-      };
+      });
       Checkpointer ckpt(dir.path().string(), o);
       ckpt.save(*rk.strategy, rk.opt.get(), state_at(2));
       rk.step(data[2]);  // while the write runs
@@ -159,10 +160,10 @@ TEST(AsyncCheckpoint, FailedBackgroundWriteIsReportedWithRankAndCause) {
     rk.step(data[0]);
     CheckpointOptions o;
     o.async = true;
-    o.on_progress = [&](const char* point) {
+    detail::CheckpointProgress::set(o, [&](const char* point) {
       if (std::string(point) != "tmp_created" || rk.rank != 1) return;
       fs::create_symlink("/dev/full", dir.path() / ".tmp-step_000000001" / "rank00001.safetensors");
-    };
+    });
     {
       Checkpointer ckpt(dir.path().string(), o);
       ckpt.save(*rk.strategy, rk.opt.get(), state_at(1));
@@ -182,7 +183,7 @@ TEST(AsyncCheckpoint, FailedBackgroundWriteIsReportedWithRankAndCause) {
     }
     DTRAIN_CHECK(latest_checkpoint(dir.path().string()).empty(), "a failed save became visible");
     // A save without the fault succeeds in the same directory.
-    o.on_progress = nullptr;
+    detail::CheckpointProgress::set(o, nullptr);
     Checkpointer ckpt(dir.path().string(), o);
     ckpt.save(*rk.strategy, rk.opt.get(), state_at(3));
     ckpt.wait();

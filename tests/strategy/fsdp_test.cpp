@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "amp/bf16_check.h"
 #include "compat/warnings.h"
 #include "dtrain/errors.h"
 #include "dtrain/fsdp.h"
@@ -582,7 +583,7 @@ TEST(FsdpMixedPrecision, EmulatedBf16WarnsOnceOnRankZero) {
       compat::WarningCapture warnings;
       FsdpOptions o;
       o.mixed_precision.param_dtype = at::kBFloat16;
-      o.mixed_precision.cpu_check.cpu = cpu;
+      detail::Bf16CpuInjection::set_cpu(o.mixed_precision.cpu_check, cpu);
       FullyShardedDataParallel fsdp(m.ptr(),
                                     std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
       at::Tensor loss = fsdp.forward([&] {

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "checkpoint/directory.h"
+#include "checkpoint/progress.h"
 #include "checkpoint/safetensors.h"
 #include "dtrain/checkpoint.h"
 #include "dtrain/fsdp.h"
@@ -65,13 +66,13 @@ void sharded_checkpoint_writer(const std::shared_ptr<Communicator>& comm, const 
     }
     CheckpointOptions options;
     options.format = CheckpointFormat::kSharded;
-    options.on_progress = [&](const char* point) {
+    detail::CheckpointProgress::set(options, [&](const char* point) {
       if (step != 2 || comm->rank() != pause_rank || point != pause_at) return;
       std::ofstream(std::filesystem::path(dir).parent_path() /
                     ("paused." + std::to_string(pause_rank)))
           << point << "\n";
       for (;;) ::pause();  // until SIGKILL
-    };
+    });
     TrainingState state;
     state.step = step;
     save_checkpoint(dir, fsdp, nullptr, state, options);
