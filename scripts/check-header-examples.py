@@ -22,17 +22,10 @@ EXAMPLES_CPP = "tests/docs/header_examples.cpp"
 
 # Headers whose examples need not be marked yet, with the reason. Their code-like comment
 # blocks are found by the heuristic below and must be compiled all the same.
-UNMARKED_ALLOWED = {
-    "include/dtrain/strategy.h":
-        "the step-protocol rewrite of issue 42 owns this file; it adds the markers",
-}
+UNMARKED_ALLOWED = {}
 # Examples that do not compile as written, by header and first line, with the reason. An
 # entry that no longer matches an example is an error, so that it goes once fixed.
-NOT_COMPILED = {
-    ("include/dtrain/strategy.h", "std::vector<at::Tensor> decay, no_decay;"):
-        "OptimizerParamGroup takes its options as a std::unique_ptr (header_examples.cpp "
-        "compiles the form that works); the step-protocol rewrite of issue 42 owns strategy.h",
-}
+NOT_COMPILED = {}
 
 OFF, ON = "// clang-format off", "// clang-format on"
 

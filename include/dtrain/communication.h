@@ -6,6 +6,7 @@
 //   work.h          Work: the handle of an asynchronous call (wait with a timeout, then)
 //   store.h         Store: the key-value store ranks meet through (in memory, TCP)
 //   communicator.h  Communicator: the collectives and point-to-point calls; make_communicator
+//   device_mesh.h   DeviceMesh: ranks as replicate x shard plus host groups, made in one place
 //   wire_stats.h    the bytes a rank sent, by collective kind and by host
 //   comm_hook.h     CommHook: how DataParallel turns a bucket of gradients into their average
 //   quantization.h  int8/int4/bf16 wire formats and the hooks that send them
@@ -17,6 +18,7 @@
 
 #include "dtrain/comm_hook.h"
 #include "dtrain/communicator.h"
+#include "dtrain/device_mesh.h"
 #include "dtrain/errors.h"
 #include "dtrain/powersgd.h"
 #include "dtrain/quantization.h"

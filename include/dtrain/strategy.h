@@ -164,12 +164,16 @@ class Strategy {
   // parameters() with the module parameter each one is, in the same order, for optimizer
   // parameter groups that are the same under every strategy:
   //
+  // clang-format off
   //   std::vector<at::Tensor> decay, no_decay;
   //   for (auto& p : strategy->named_parameters()) {
   //     (p.shape.size() >= 2 ? decay : no_decay).push_back(p.tensor);
   //   }
-  //   torch::optim::AdamW opt({torch::optim::OptimizerParamGroup(decay),
-  //                            torch::optim::OptimizerParamGroup(no_decay, no_decay_options)}, o);
+  //   std::vector<torch::optim::OptimizerParamGroup> groups;
+  //   groups.emplace_back(decay);
+  //   groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(no_decay_options));
+  //   torch::optim::AdamW opt(std::move(groups), o);
+  // clang-format on
   //
   // FSDP lists one tensor per trainable parameter only with FsdpOptions::use_orig_params
   // (it throws InvalidArgument otherwise: a flat shard mixes parameters); each is this
@@ -193,10 +197,12 @@ class Strategy {
   // gradients then hold the gradient of the global batch of every micro-batch (scale each
   // micro-batch's loss by 1 / micro-batches for their mean):
   //
+  // clang-format off
   //   for (int m = 0; m < n; ++m) {
   //     strategy->set_requires_gradient_sync(m + 1 == n);  // communicate on the last one
   //     strategy->backward(strategy->forward([&] { return loss_of(micro[m]); }) / n);
   //   }
+  // clang-format on
   //
   // Every rank must use the same setting in the same step (the step agreements still run).
   // What the local sum costs: SingleDevice and DataParallel nothing (DDP's buckets hold it);
@@ -207,7 +213,9 @@ class Strategy {
   bool requires_gradient_sync() const { return gradient_sync_; }
 
   // Sync off while the guard lives (the previous setting comes back when it is destroyed):
+  // clang-format off
   //   { auto guard = strategy->no_sync(); strategy->backward(first_micro_batch_loss); }
+  // clang-format on
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(Strategy& strategy)

@@ -67,9 +67,6 @@ void strategy_loop(Model model, dtrain::CommunicatorPtr comm, torch::optim::Adam
   // clang-format on
 }
 
-// Strategy::named_parameters()' example with the fix it needs (OptimizerParamGroup takes its
-// options as a unique_ptr); the header's own text is listed as not compilable in
-// scripts/check-header-examples.py until strategy.h takes this form.
 void strategy_param_groups(std::shared_ptr<dtrain::Strategy> strategy, torch::optim::AdamWOptions o,
                            torch::optim::AdamWOptions no_decay_options) {
   // clang-format off
@@ -98,6 +95,23 @@ void strategy_accumulation(std::shared_ptr<dtrain::Strategy> strategy, int n,
   // clang-format off
   { auto guard = strategy->no_sync(); strategy->backward(first_micro_batch_loss); }
   // clang-format on
+}
+
+// ---- include/dtrain/device_mesh.h ----
+
+void device_mesh(std::shared_ptr<dtrain::Store> store, dtrain::CommunicatorPtr world,
+                 std::shared_ptr<torch::nn::Module> model, dtrain::FsdpOptions fsdp_options) {
+  // clang-format off
+  // 1-D: shard over every rank (FULL_SHARD, SHARD_GRAD_OP) or replicate (NO_SHARD):
+  dtrain::DeviceMesh flat(world);
+  // 2-D (HYBRID_SHARD): shard inside groups of 8 ranks, replicate across them:
+  dtrain::DeviceMeshOptions o;
+  o.shard_size = 8;
+  o.local_world_size = 8;  // and host groups of 8
+  dtrain::DeviceMesh mesh = dtrain::DeviceMesh::create(store, world, o);
+  dtrain::FullyShardedDataParallel fsdp(model, mesh, fsdp_options);
+  // clang-format on
+  (void)flat;
 }
 
 // ---- include/dtrain/fsdp.h ----
