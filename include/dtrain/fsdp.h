@@ -218,17 +218,19 @@ struct FsdpOptions {
   MixedPrecision mixed_precision;
   // Which submodules are units; null: the root unit only.
   WrapPolicy wrap_policy;
-  // What the optimizer steps (PyTorch FSDP's use_orig_params). false: one flat fp32 shard
-  // per unit, which mixes parameters (parameters() returns the shards; named_parameters()
-  // throws). true: one tensor per trainable parameter, in module order, under its qualified
-  // name: this rank's part of the parameter's flattened elements as a 1-D view into the
-  // shard (the optimizer's update is the shard's), empty when the rank holds none of it.
-  // Each view's .grad shares the shard's gradient after backward(), also when it was reset
-  // to undefined (LibTorch 2.x's zero_grad()); optimizer state is per view. Memory and
-  // results are the same; the optimizer makes one update per parameter instead of per unit.
-  // Checkpoints are the same either way (optimizer state saved per parameter name). See
-  // docs/strategies.md, "Parameter groups".
-  bool use_orig_params = false;
+  // What the optimizer steps (PyTorch FSDP's use_orig_params). true (the default, as in
+  // FSDP2, which has only this mode): one tensor per parameter, in module order, under its
+  // qualified name, as under every strategy: a trainable parameter as this rank's part of
+  // its flattened elements, a 1-D view into the shard (the optimizer's update is the
+  // shard's), empty when the rank holds none of it; a frozen parameter (in no unit; every
+  // rank holds it whole) as itself, as DataParallel lists it. Each view's .grad shares the
+  // shard's gradient after backward(), also when it was reset to undefined (LibTorch 2.x's
+  // zero_grad()); optimizer state is per view. false: one flat fp32 shard per unit, which
+  // mixes parameters (parameters() returns the shards, then the frozen parameters;
+  // named_parameters() throws); the optimizer then makes one update per unit instead of one
+  // per parameter. Memory and results are the same either way, and so are checkpoints
+  // (optimizer state saved per parameter name). See docs/strategies.md, "Parameter groups".
+  bool use_orig_params = true;
   // CPU offload (ZeRO-Offload's placement) for a module on an accelerator: the fp32 shards,
   // their gradients and therefore the optimizer's state live in host memory (pinned on
   // CUDA); parameters() returns those host tensors, so the optimizer steps on the CPU (use
@@ -293,15 +295,16 @@ class FullyShardedDataParallel final : public Strategy {
   ~FullyShardedDataParallel() override;
 
   void backward(const at::Tensor& loss) override;
-  // What the optimizer must step: the local fp32 shards, one per unit, or with
-  // use_orig_params the per-parameter views (see FsdpOptions::use_orig_params). Build the
+  // What the optimizer must step: the per-parameter views (FsdpOptions::use_orig_params,
+  // the default), or one flat fp32 shard per unit. Build the
   // optimizer over these, not over model->parameters(): the module's own parameters are freed
   // between steps and get no gradient. A training forward throws InvalidArgument on every
   // rank saying so when neither this nor named_parameters() has been called and every unit
   // parameter of the module is referenced outside FSDP (what such an optimizer does).
   std::vector<at::Tensor> parameters() override;
-  // use_orig_params: the views with their parameters' names and full shapes. Without it,
-  // throws InvalidArgument (a flat shard has no single parameter's name or shape).
+  // The views with their parameters' names and full shapes (frozen parameters whole), as
+  // under every strategy. With use_orig_params false, throws InvalidArgument (a flat shard
+  // has no single parameter's name or shape).
   std::vector<NamedParameter> named_parameters() override;
   double grad_norm() override;
   at::Tensor grad_norm_tensor() override;
@@ -322,8 +325,17 @@ class FullyShardedDataParallel final : public Strategy {
   // Full (unsharded) parameters by qualified name, in module order, on rank 0; empty on
   // other ranks. Collective: every rank must call it. Loadable into the unwrapped model.
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
-  // This rank's shards with the metadata needed to reassemble them (unit, offsets, sizes).
+  // This rank's shards with the metadata needed to reassemble them (unit, offsets, sizes):
+  // "<unit>.flat_shard" (a copy of the fp32 shard), "<unit>.flat_meta" ([shard rank, shard
+  // group size, numel, padded numel]) and "<unit>.param.<name>" ([offset, numel]) per unit.
+  // Not collective. For another world size or strategy, use checkpoints (dtrain/checkpoint.h),
+  // which reshard.
   std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();
+  // Loads what sharded_state_dict() returned on this rank (the same module, units, sharding
+  // and shard group): every unit's shard is copied back after its metadata is checked;
+  // InvalidArgument naming the first entry that differs, is missing or is not FSDP's (nothing
+  // is loaded then). Not collective: each rank loads its own. Between steps.
+  void load_sharded_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state);
 
  protected:
   std::vector<at::Tensor> stepped_tensors() override;

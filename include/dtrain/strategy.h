@@ -158,7 +158,9 @@ class Strategy {
   // ranks), ready for the optimizer.
   virtual void backward(const at::Tensor& loss) = 0;
 
-  // The tensors the optimizer must step: the module's parameters, or FSDP's local shards.
+  // The tensors the optimizer must step, what named_parameters() lists: the module's
+  // parameters, or under FSDP this rank's part of each (frozen ones whole). Frozen parameters
+  // get no gradient, so optimizers leave them alone.
   virtual std::vector<at::Tensor> parameters() = 0;
 
   // parameters() with the module parameter each one is, in the same order, for optimizer
@@ -175,9 +177,10 @@ class Strategy {
   //   torch::optim::AdamW opt(std::move(groups), o);
   // clang-format on
   //
-  // FSDP lists one tensor per trainable parameter only with FsdpOptions::use_orig_params
-  // (it throws InvalidArgument otherwise: a flat shard mixes parameters); each is this
-  // rank's part of the parameter, so decide by name and `shape`, not by the tensor's shape.
+  // Every strategy lists every module parameter, frozen ones included, in module order.
+  // Under FSDP (FsdpOptions::use_orig_params, the default) each trainable one is this rank's
+  // part of the parameter, so decide by name and `shape`, not by the tensor's shape; with
+  // use_orig_params false FSDP throws InvalidArgument (a flat shard mixes parameters).
   virtual std::vector<NamedParameter> named_parameters() = 0;
 
   // L2 norm of the full (global-batch, unsharded) gradient. Call after backward(). Reads

@@ -317,19 +317,28 @@ void FullyShardedDataParallel::Impl::build_units() {
     schedule_->add_unit(std::move(plan.name), plan.module, std::move(flat));
   }
   sequential_units_ = std::make_unique<fsdp::SequentialUnits>(module_, submodules, schedule_.get());
-  if (!options_.use_orig_params) return;
   // Units list parameters unit by unit; the optimizer sees them in module order, as under
-  // the other strategies.
+  // the other strategies. Frozen parameters are in no unit: every rank holds them whole, and
+  // they are listed as themselves, as DataParallel lists them.
   std::map<std::string, NamedParameter> by_name;
-  for (size_t k = 0; k < schedule_->num_units(); ++k) {
-    const fsdp::FlatParam& f = schedule_->unit(k).flat();
-    for (size_t i = 0; i < f.num_params(); ++i) {
-      by_name[f.name(i)] = NamedParameter{f.name(i), f.shard_view(i), f.param(i).sizes().vec()};
+  if (options_.use_orig_params) {
+    for (size_t k = 0; k < schedule_->num_units(); ++k) {
+      const fsdp::FlatParam& f = schedule_->unit(k).flat();
+      for (size_t i = 0; i < f.num_params(); ++i) {
+        by_name[f.name(i)] = NamedParameter{f.name(i), f.shard_view(i), f.param(i).sizes().vec()};
+      }
     }
   }
   for (const auto& item : module_->named_parameters(true)) {
+    const at::Tensor& p = item.value();
+    if (!p.requires_grad()) {
+      frozen_.push_back(p);
+      if (options_.use_orig_params)
+        views_.push_back(NamedParameter{item.key(), p, p.sizes().vec()});
+      continue;
+    }
     auto it = by_name.find(item.key());
-    if (it != by_name.end()) views_.push_back(it->second);  // frozen ones are in no unit
+    if (it != by_name.end()) views_.push_back(it->second);
   }
 }
 
@@ -357,6 +366,7 @@ std::vector<at::Tensor> FullyShardedDataParallel::Impl::stepped() const {
   for (size_t k = 0; k < schedule_->num_units(); ++k) {
     out.push_back(schedule_->unit(k).flat().shard());
   }
+  out.insert(out.end(), frozen_.begin(), frozen_.end());
   return out;
 }
 
@@ -550,6 +560,10 @@ std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::full_s
 }
 std::vector<std::pair<std::string, at::Tensor>> FullyShardedDataParallel::sharded_state_dict() {
   return impl_->sharded_state_dict();
+}
+void FullyShardedDataParallel::load_sharded_state_dict(
+    const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  impl_->load_sharded_state_dict(state);
 }
 StateLayout FullyShardedDataParallel::state_layout() { return impl_->state_layout(); }
 void FullyShardedDataParallel::state_loaded() { impl_->state_loaded(); }

@@ -39,6 +39,7 @@ class FullyShardedDataParallel::Impl final : public StepParticipant {
   int64_t model_state_bytes(const std::vector<at::Tensor>& optimizer_state);
   std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
   std::vector<std::pair<std::string, at::Tensor>> sharded_state_dict();
+  void load_sharded_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& state);
   StateLayout state_layout();
   void state_loaded();
 
@@ -96,8 +97,10 @@ class FullyShardedDataParallel::Impl final : public StepParticipant {
   std::unique_ptr<fsdp::Schedule> schedule_;
   // Units that are Sequential entries, routed through unit_call; restored first on destruction.
   std::unique_ptr<fsdp::SequentialUnits> sequential_units_;
-  // use_orig_params: each trainable parameter's shard view, module order.
+  // use_orig_params: each parameter in module order, a trainable one as its shard view, a
+  // frozen one (in no unit) as itself.
   std::vector<NamedParameter> views_;
+  std::vector<at::Tensor> frozen_;  // the frozen parameters, module order
   // MixedPrecision::buffer_dtype: the original dtype of each buffer that was cast, by name,
   // and the original-dtype copies the last state_layout() handed out (written back by
   // state_loaded()).

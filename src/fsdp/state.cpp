@@ -114,6 +114,51 @@ FullyShardedDataParallel::Impl::sharded_state_dict() {
   return out;
 }
 
+void FullyShardedDataParallel::Impl::load_sharded_state_dict(
+    const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  driver_.check_usable("load_sharded_state_dict");
+  auto invalid = [&](const std::string& why) {
+    throw InvalidArgument(ctx("load_sharded_state_dict"), why);
+  };
+  std::map<std::string, at::Tensor> given;
+  for (const auto& [name, t] : state) {
+    if (!given.emplace(name, t).second) invalid(fmt::format("entry '{}' appears twice", name));
+  }
+  // Every entry this rank's sharded_state_dict() has must match; checked whole before any
+  // shard is written, so a refused load changes nothing.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (shard, loaded values)
+  for (const auto& [name, want] : sharded_state_dict()) {
+    auto it = given.find(name);
+    if (it == given.end()) invalid(fmt::format("entry '{}' is missing", name));
+    const at::Tensor& got = it->second;
+    const bool shard = name.size() > 11 && name.compare(name.size() - 11, 11, ".flat_shard") == 0;
+    if (!got.defined() || got.scalar_type() != want.scalar_type() || got.sizes() != want.sizes() ||
+        (!shard && !at::equal(got.to(at::kCPU), want))) {
+      invalid(
+          fmt::format("entry '{}' differs from this rank's layout (saved with another "
+                      "model, wrap policy, sharding or shard group? checkpoints, "
+                      "dtrain/checkpoint.h, load across those)",
+                      name));
+    }
+    given.erase(it);
+    if (shard) {
+      const std::string unit = name.substr(0, name.size() - 11);
+      for (size_t k = 0; k < schedule_->num_units(); ++k) {
+        if (schedule_->unit(k).name() == unit) {
+          copies.emplace_back(schedule_->unit(k).flat().shard(), got);
+        }
+      }
+    }
+  }
+  if (!given.empty()) {
+    invalid(fmt::format("entry '{}' is not one of this rank's FSDP units", given.begin()->first));
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& [shard, values] : copies) shard.copy_(values);
+  // The shards changed: no gathered copy may be reused; each is rebuilt at its next use.
+  schedule_->reshard_all();
+}
+
 StateLayout FullyShardedDataParallel::Impl::state_layout() {
   static constexpr const char* kNames[] = {"full_shard", "shard_grad_op", "no_shard",
                                            "hybrid_shard"};

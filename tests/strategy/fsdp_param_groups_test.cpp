@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/data_parallel.h"
@@ -308,6 +309,7 @@ TEST(ParamGroups, FsdpNamesParametersOnlyWithUseOrigParams) {
   auto model = make_model(Model::kTransformer, 7);
   run_ranks(1, [&](Communicator& comm) {
     FsdpOptions o;
+    o.use_orig_params = false;  // the flat shards (the default since the step driver: views)
     o.wrap_policy = wrap_modules_named("BlockImpl");
     FullyShardedDataParallel s(model, borrowed(comm), o);
     try {
@@ -319,6 +321,60 @@ TEST(ParamGroups, FsdpNamesParametersOnlyWithUseOrigParams) {
     }
     DTRAIN_CHECK(s.parameters().size() == 3, "one flat shard per unit (root, h0, h1)");
   });
+}
+
+// parameters() and named_parameters() mean the same under every strategy, with default
+// options: every module parameter, frozen ones included, in module order, under its name
+// and full shape (FSDP: this rank's part of a trainable one, a frozen one whole).
+TEST(ParamGroups, EveryStrategyListsEveryParameterByDefault) {
+  at::set_num_threads(1);
+  auto make = [] {
+    torch::manual_seed(3);
+    auto m = make_model(Model::kTransformer, 7);
+    m->named_parameters()["wpe.weight"].requires_grad_(false);  // a frozen table
+    return m;
+  };
+  auto listing = [](Strategy& s) {
+    std::vector<std::string> out;
+    for (const auto& p : s.named_parameters()) out.push_back(fmt::format("{} {}", p.name, p.shape));
+    return out;
+  };
+  auto single_model = make();
+  SingleDevice single(single_model);
+  const std::vector<std::string> want = listing(single);
+  ASSERT_EQ(static_cast<int64_t>(want.size()),
+            static_cast<int64_t>(single_model->parameters().size()));
+  std::vector<std::vector<std::string>> ddp(2), fsdp(2);
+  std::vector<size_t> ddp_count(2), fsdp_count(2);
+  // Built before the rank threads: make_model seeds the one global generator.
+  std::vector<std::shared_ptr<torch::nn::Module>> for_ddp, for_fsdp;
+  for (int r = 0; r < 2; ++r) {
+    for_ddp.push_back(make());
+    for_fsdp.push_back(make());
+  }
+  run_ranks(2, [&](Communicator& comm) {
+    const size_t r = static_cast<size_t>(comm.rank());
+    auto a = for_ddp[r];
+    DataParallel d(a, borrowed(comm));
+    ddp[r] = listing(d);
+    ddp_count[r] = d.parameters().size();
+    auto b = for_fsdp[r];
+    FsdpOptions o;
+    o.wrap_policy = wrap_modules_named("BlockImpl");
+    FullyShardedDataParallel f(b, borrowed(comm), o);
+    fsdp[r] = listing(f);
+    fsdp_count[r] = f.parameters().size();
+    const at::Tensor frozen = f.named_parameters()[1].tensor;  // wpe.weight, whole
+    DTRAIN_CHECK(f.named_parameters()[1].name == "wpe.weight" && !frozen.requires_grad() &&
+                     frozen.sizes() == b->named_parameters()["wpe.weight"].sizes(),
+                 "rank {}: the frozen table is not listed whole", r);
+  });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(ddp[r], want) << "DDP rank " << r;
+    EXPECT_EQ(fsdp[r], want) << "FSDP rank " << r;
+    EXPECT_EQ(ddp_count[r], want.size());
+    EXPECT_EQ(fsdp_count[r], want.size());
+  }
 }
 
 // Trained 2 steps under FSDP x2, saved (sharded), resumed for 2 more under FSDP x3 and under

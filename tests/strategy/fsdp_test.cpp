@@ -680,5 +680,77 @@ TEST(FsdpErrors, UnitNeverCalledThroughUnitCallIsReported) {
   });
 }
 
+// sharded_state_dict() is a snapshot FSDP loads back (load_sharded_state_dict): training on
+// from it ends where the snapshot's run ended; a snapshot of another layout, a missing, extra
+// or altered entry is refused naming the entry, and loads nothing.
+TEST(FsdpShardedStateDict, LoadsWhatItSavedAndRefusesAnotherLayout) {
+  at::set_num_threads(1);
+  constexpr int kWorld = 2;
+  const auto data = make_data(Model::kTransformer, kWorld);
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (int r = 0; r < kWorld; ++r) modules.push_back(make_model(Model::kTransformer, 7));
+  run_ranks(kWorld, [&](Communicator& comm) {
+    const int r = comm.rank();
+    FsdpOptions o;
+    o.wrap_policy = wrap_modules_named("BlockImpl");
+    FullyShardedDataParallel fsdp(modules[r],
+                                  std::shared_ptr<Communicator>(&comm, [](Communicator*) {}), o);
+    auto opt = make_opt(Opt::kSgd, fsdp.parameters());
+    auto step = [&](int s) {
+      opt->zero_grad();
+      at::Tensor x = data[s].x.narrow(0, r * kLocalBatch, kLocalBatch);
+      at::Tensor y = data[s].y.narrow(0, r * kLocalBatch, kLocalBatch);
+      fsdp.backward(
+          fsdp.forward([&] { return loss_of(Model::kTransformer, *modules[r], x, y, false); }));
+      opt->step();
+    };
+    step(0);
+    const auto snapshot = fsdp.sharded_state_dict();
+    const auto at_snapshot = fsdp.full_state_dict();
+    step(1);
+    const auto later = fsdp.full_state_dict();
+    auto refused = [&](std::vector<std::pair<std::string, at::Tensor>> state) {
+      try {
+        fsdp.load_sharded_state_dict(state);
+      } catch (const InvalidArgument& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    auto extra = snapshot;
+    extra.emplace_back("h9.flat_shard", at::zeros({3}));
+    auto missing = snapshot;
+    missing.pop_back();
+    auto altered = snapshot;
+    for (auto& [name, t] : altered) {
+      if (name.find(".flat_meta") != std::string::npos) t = t.clone().add_(1);
+    }
+    DTRAIN_CHECK(refused(extra).find("entry 'h9.flat_shard' is not one of") != std::string::npos,
+                 "rank {}: an extra entry: '{}'", r, refused(extra));
+    DTRAIN_CHECK(refused(missing).find("is missing") != std::string::npos,
+                 "rank {}: a missing entry: '{}'", r, refused(missing));
+    DTRAIN_CHECK(refused(altered).find("differs from this rank's layout") != std::string::npos,
+                 "rank {}: altered metadata: '{}'", r, refused(altered));
+    // Nothing was loaded by the refused calls: the state is still the later one.
+    const auto unchanged = fsdp.full_state_dict();
+    for (size_t i = 0; i < unchanged.size(); ++i) {
+      DTRAIN_CHECK(at::equal(unchanged[i].second, later[i].second), "rank {}: {} changed", r,
+                   unchanged[i].first);
+    }
+    fsdp.load_sharded_state_dict(snapshot);
+    const auto loaded = fsdp.full_state_dict();
+    DTRAIN_CHECK(loaded.size() == at_snapshot.size(), "rank {}: {} entries", r, loaded.size());
+    bool moved = false;
+    for (size_t i = 0; i < loaded.size(); ++i) {
+      DTRAIN_CHECK(at::equal(loaded[i].second, at_snapshot[i].second), "rank {}: {} not restored",
+                   r, loaded[i].first);
+      moved = moved || !at::equal(later[i].second, at_snapshot[i].second);
+    }
+    DTRAIN_CHECK(r != 0 || moved, "the second step changed nothing: the test proves nothing");
+    step(1);  // trains on from the snapshot
+    fsdp.finish();
+  });
+}
+
 }  // namespace
 }  // namespace dtrain
