@@ -169,7 +169,7 @@ GlooTransport::GlooTransport(std::shared_ptr<Store> store, int rank, int world_s
   const ErrorContext ctx{rank, world_size, "connect", -1};
   gloo::transport::tcp::attr attr;
   try {
-    attr.hostname = net::choose_listen_address(options, *store_);
+    attr.hostname = net::choose_listen_address(options.interface, options.hostname, *store_);
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(ctx, e.cause());
   }

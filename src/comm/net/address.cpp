@@ -10,7 +10,6 @@
 
 #include <fmt/format.h>
 
-#include "dtrain/communicator.h"
 #include "dtrain/errors.h"
 #include "dtrain/store.h"
 
@@ -99,9 +98,10 @@ std::string local_address(int fd) {
   return numeric(reinterpret_cast<const sockaddr*>(&a));
 }
 
-std::string choose_listen_address(const CommunicatorOptions& options, const Store& store) {
-  if (!options.interface.empty()) return interface_address(options.interface);
-  if (!options.hostname.empty()) return options.hostname;
+std::string choose_listen_address(const std::string& interface, const std::string& hostname,
+                                  const Store& store) {
+  if (!interface.empty()) return interface_address(interface);
+  if (!hostname.empty()) return hostname;
   std::string a = store.network_address();
   return a.empty() ? "127.0.0.1" : a;
 }

@@ -12,8 +12,9 @@
 
 #include <string>
 
+// Part of dtrain_core (src/CMakeLists.txt), which compiles without LibTorch: the rule takes
+// the two options' values, not CommunicatorOptions, whose header is LibTorch's.
 namespace dtrain {
-struct CommunicatorOptions;
 class Store;
 }  // namespace dtrain
 
@@ -36,7 +37,9 @@ std::string resolve_numeric(const std::string& host);
 // Local address (numeric) of connected socket `fd`; empty when it cannot be read.
 std::string local_address(int fd);
 
-// The listening address by the rule above.
-std::string choose_listen_address(const CommunicatorOptions& options, const Store& store);
+// The listening address by the rule above, for CommunicatorOptions::interface and
+// CommunicatorOptions::hostname (either may be empty).
+std::string choose_listen_address(const std::string& interface, const std::string& hostname,
+                                  const Store& store);
 
 }  // namespace dtrain::net
