@@ -130,7 +130,7 @@ void FullyShardedDataParallel::Impl::load_sharded_state_dict(
   for (const auto& [name, want] : sharded_state_dict()) {
     auto it = given.find(name);
     if (it == given.end()) invalid(fmt::format("entry '{}' is missing", name));
-    const at::Tensor& got = it->second;
+    const at::Tensor got = it->second;  // a handle: the entry is erased below
     const bool shard = name.size() > 11 && name.compare(name.size() - 11, 11, ".flat_shard") == 0;
     if (!got.defined() || got.scalar_type() != want.scalar_type() || got.sizes() != want.sizes() ||
         (!shard && !at::equal(got.to(at::kCPU), want))) {
