@@ -281,9 +281,8 @@ void Reducer::issue_as_peers_do(bool gradient_sync) {
   if (!gradient_sync) return;  // a no_sync backward issues nothing
   start_counting();
   std::vector<uint8_t> used;
-  if (auto failure = complete_communication(used)) {
-    (void)failure;  // a hook's continuation on dropped gradients: the step fails anyway
-  }
+  // A hook's continuation failing on the dropped gradients changes nothing: the step fails.
+  complete_communication(used);
 }
 
 std::exception_ptr Reducer::backward(const at::Tensor& loss, bool gradient_sync) {
